@@ -68,6 +68,34 @@ def fatal(msg: str) -> None:
 
 
 @contextlib.contextmanager
+def env(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` while open (an A/B switch), then
+    back to what it was (unset if it was)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def cuda_normal(rng, shape, scale: float = 1.0, dtype: str = "float32") -> Any:
+    """Standard normal draws of ``rng`` times ``scale``, made in float32 and put on the GPU
+    in ``dtype`` (a torch dtype's name)."""
+    import torch
+
+    return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32)).to("cuda", getattr(torch, dtype))
+
+
+def excess(got, ref, bound) -> float:
+    """The largest ``|got - ref| - bound`` in float64 on the host (<= 0: within the bound)."""
+    return float(((got.double().cpu() - ref.double().cpu()).abs() - bound.double().cpu()).max())
+
+
+@contextlib.contextmanager
 def noting(data: dict | None = None, log: list[str] | None = None) -> Iterator[None]:
     """While open, ``note`` / ``say`` fill ``data`` / ``log`` (a module's figures and log)."""
     global _data, _log

@@ -24,39 +24,14 @@ replay):
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 
-from .helpers import note
+from .helpers import cuda_normal, env, excess, note
 
 UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def _t(rng, shape, scale=1.0, dtype="float32"):
-    import torch
-
-    return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32)).to("cuda", getattr(torch, dtype))
-
-
-def _excess(got, ref, bound) -> float:
-    return float(((got.double() - ref.double()).abs() - bound.double()).max())
 
 
 def _graph_us(fn: Callable[[], Any], reps: int = 50) -> float:
@@ -94,12 +69,12 @@ def _norm_jobs(rng, dname: str, T: int, H: int, d: int, pairs: int, lora: int):
 
     Job = decode.NormRopeJob
     dtype = getattr(torch, dname)
-    cos, sin = _t(rng, (T, pairs)).cos() * 1.1, _t(rng, (T, pairs)).sin() * 1.1
-    x = _t(rng, (T, lora), 2.0, dname)
-    kv = _t(rng, (T, d), 1.5, dname)
-    q = _t(rng, (T, H * d), 3.0, dname)
-    o = _t(rng, (T, H * d), 1.0, dname)
-    w1, w2 = _t(rng, (lora,), 0.3) + 1.0, _t(rng, (d,), 0.3) + 1.0
+    cos, sin = cuda_normal(rng, (T, pairs)).cos() * 1.1, cuda_normal(rng, (T, pairs)).sin() * 1.1
+    x = cuda_normal(rng, (T, lora), 2.0, dname)
+    kv = cuda_normal(rng, (T, d), 1.5, dname)
+    q = cuda_normal(rng, (T, H * d), 3.0, dname)
+    o = cuda_normal(rng, (T, H * d), 1.0, dname)
+    w1, w2 = cuda_normal(rng, (lora,), 0.3) + 1.0, cuda_normal(rng, (d,), 0.3) + 1.0
     outs = [
         torch.empty(T, lora, dtype=dtype, device="cuda"),
         torch.empty(T, d, dtype=dtype, device="cuda"),
@@ -172,7 +147,7 @@ def test_norm_rope_register_form_equals_the_general_form(rng, dname, T, H, d, pa
     got: dict[str, list[Any]] = {}
     times: dict[str, dict[str, float]] = {}
     for form, value in (("registers", "1"), ("general", "0")):
-        with _env("ENGRAM_TRT_NORM_ROPE_REGS", value), torch.no_grad():
+        with env("ENGRAM_TRT_NORM_ROPE_REGS", value), torch.no_grad():
             for _name, jobs in launches:
                 decode.norm_rope(*jobs)
             torch.cuda.synchronize()
@@ -188,7 +163,7 @@ def test_norm_rope_register_form_equals_the_general_form(rng, dname, T, H, d, pa
         rp = 0 if name == "q_a" else pairs
         terms = _rope_terms(b[i], dim, rp, cos, sin, heads)
         tu = (4 * u if kind == "u" else 2 * u) + 1e-5
-        err = _excess(a[i], b[i], (2 * u + 1e-5) * b[i].double().abs() + tu * terms + 1e-30)
+        err = excess(a[i], b[i], (2 * u + 1e-5) * b[i].double().abs() + tu * terms + 1e-30)
         assert err <= 0 and bool(torch.isfinite(a[i]).all()), (
             f"{name}: register form within one flip of the general form, {tag}: max excess {err:.3g}"
         )
@@ -210,8 +185,8 @@ def _attention_inputs(
     slots = list(range(1, S + 1))
     E = max(pasts) // max(r, 1) + 8
     cuda = lambda a: a.to("cuda")  # noqa: E731
-    io = lambda shape, s=1.0: _t(rng, shape, s, dname)  # noqa: E731
-    f32 = lambda shape, s=1.0: _t(rng, shape, s)  # noqa: E731
+    io = lambda shape, s=1.0: cuda_normal(rng, shape, s, dname)  # noqa: E731
+    f32 = lambda shape, s=1.0: cuda_normal(rng, shape, s)  # noqa: E731
     i32 = lambda v: cuda(torch.tensor(v, dtype=torch.int32))  # noqa: E731
     inputs = [io((T, H, d)), io((T, d)), f32((H,)), i32(list(range(S + 1))), i32(pasts), i32(slots), io((N, W, d))]
     if layer_type != SLIDING:
@@ -272,7 +247,7 @@ def test_attend_vectors_equal_the_scalar_attend(rng, dname, kind, d) -> None:
     states: dict[str, list[Any]] = {}
     times: dict[str, float] = {}
     for form, value in (("vectors", "1"), ("scalar", "0")):
-        with _env("ENGRAM_TRT_DSV4_ATTEND_VEC", value), torch.no_grad():
+        with env("ENGRAM_TRT_DSV4_ATTEND_VEC", value), torch.no_grad():
             mine = [t.clone() for t in inputs]
             outs[form] = dsv4_attention(*mine, **fields)
             torch.cuda.synchronize()
@@ -285,7 +260,7 @@ def test_attend_vectors_equal_the_scalar_attend(rng, dname, kind, d) -> None:
     assert same_states, f"states: vectors = scalar bit for bit, {tag}"
     keys = [inputs[1], inputs[6]] + ([states["scalar"][1]] if layer_type != SLIDING else [])
     kmax = max(float(k.double().abs().max()) for k in keys)
-    err = _excess(a, b, 2 * u * b.double().abs() + (2 * u + 1e-4) * (1 + u) * kmax)
+    err = excess(a, b, 2 * u * b.double().abs() + (2 * u + 1e-4) * (1 + u) * kmax)
     assert err <= 0 and bool(torch.isfinite(a).all()), (
         f"out: vectors within one probability flip of scalar, {tag}: max excess {err:.3g} (max|k| {kmax:.3g})"
     )
@@ -327,7 +302,7 @@ def test_stored_format_projections_equal_the_modules(rng, kind, T) -> None:
     shared.gate_proj = _quant_linear(torch, rng, D, I, kind)
     shared.up_proj = _quant_linear(torch, rng, D, I, kind)
     shared.down_proj = _quant_linear(torch, rng, I, D, kind)
-    x = _t(rng, (T, D), 1.0, "bfloat16")
+    x = cuda_normal(rng, (T, D), 1.0, "bfloat16")
     with torch.no_grad():
         gate, up = fused.project(x, [shared.gate_proj, shared.up_proj])
         same = torch.equal(gate, shared.gate_proj(x)) and torch.equal(up, shared.up_proj(x))

@@ -37,7 +37,6 @@ each kernel replaces, on the same GPU:
 
 from __future__ import annotations
 
-import contextlib
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -45,35 +44,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .helpers import note, say
+from .helpers import cuda_normal, env, excess, note, say
 
 UNIT = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
-def _t(rng, shape, scale=1.0, dtype="float32"):
-    import torch
-
-    return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32)).to("cuda", getattr(torch, dtype))
-
-
-def _excess(got, ref, bound) -> float:
-    return float(((got.double().cpu() - ref.double().cpu()).abs() - bound.double().cpu()).max())
-
-
-@contextlib.contextmanager
 def _fused(on: bool):
     from engram_trt.models.deepseek_v4 import fused
 
-    before = os.environ.get(fused.FUSED_ENV)
-    os.environ[fused.FUSED_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(fused.FUSED_ENV, None)
-        else:
-            os.environ[fused.FUSED_ENV] = before
+    return env(fused.FUSED_ENV, "1" if on else "0")
 
 
 # --- 1. norm_rope ------------------------------------------------------------------------------------
@@ -108,22 +88,22 @@ def test_norm_rope_matches_the_torch_modules(rng, dname, T, H, d, pairs, lora) -
     dtype, u = getattr(torch, dname), UNIT[dname]
     Job = decode.NormRopeJob
     tag = f"T {T} H {H} d {d} pairs {pairs} {dname}"
-    cos, sin = _t(rng, (T, pairs)).cos() * 1.1, _t(rng, (T, pairs)).sin() * 1.1
+    cos, sin = cuda_normal(rng, (T, pairs)).cos() * 1.1, cuda_normal(rng, (T, pairs)).sin() * 1.1
     with torch.no_grad():
         # weighted norm of a strided slice (q_a), no rope
-        wide = _t(rng, (T, lora + 24), 2.0, dname)
+        wide = cuda_normal(rng, (T, lora + 24), 2.0, dname)
         x = wide[:, 8 : 8 + lora]
         norm = RMSNorm(lora, 1e-6).to("cuda")
-        norm.weight.copy_(_t(rng, (lora,), 0.3) + 1.0)
+        norm.weight.copy_(cuda_normal(rng, (lora,), 0.3) + 1.0)
         got = torch.empty(T, lora, dtype=dtype, device="cuda")
         decode.norm_rope(Job(x, got, dim=lora, norm=decode.NORM_WEIGHTED, weight=norm.weight, eps=1e-6))
         ref = norm(x)
-        err = _excess(got, ref, (2 * u + 1e-5) * ref.double().abs() + 1e-30)
+        err = excess(got, ref, (2 * u + 1e-5) * ref.double().abs() + 1e-30)
         assert err <= 0, f"weighted RMSNorm = RMSNorm, {tag}: max excess {err:.3g}"
         # weighted norm + rope (kv), in place
-        kv = _t(rng, (T, d), 1.5, dname)
+        kv = cuda_normal(rng, (T, d), 1.5, dname)
         knorm = RMSNorm(d, 1e-6).to("cuda")
-        knorm.weight.copy_(_t(rng, (d,), 0.3) + 1.0)
+        knorm.weight.copy_(cuda_normal(rng, (d,), 0.3) + 1.0)
         y = knorm(kv)
         ref, terms = _rope_ref(y.view(T, 1, d), cos, sin)
         got = kv.clone()
@@ -140,10 +120,10 @@ def test_norm_rope_matches_the_torch_modules(rng, dname, T, H, d, pairs, lora) -
                 sin=sin,
             )
         )
-        err = _excess(got.view(T, 1, d), ref, (2 * u + 1e-5) * (ref.double().abs() + terms) + 1e-30)
+        err = excess(got.view(T, 1, d), ref, (2 * u + 1e-5) * (ref.double().abs() + terms) + 1e-30)
         assert err <= 0, f"kv norm + RoPE in place = kv_norm + apply_rope, {tag}: max excess {err:.3g}"
         # per-head unweighted norm + rope (q)
-        q = _t(rng, (T, H * d), 3.0, dname)
+        q = cuda_normal(rng, (T, H * d), 3.0, dname)
         y = unweighted_rms_norm(q.view(T, H, d), 1e-6)
         ref, terms = _rope_ref(y, cos, sin)
         got = torch.empty_like(q)
@@ -151,10 +131,10 @@ def test_norm_rope_matches_the_torch_modules(rng, dname, T, H, d, pairs, lora) -
             Job(q, got, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=1e-6, rope_pairs=pairs, cos=cos, sin=sin)
         )
         # the reciprocal RMS is rounded to the dtype first: a flip of it moves every value of the head
-        err = _excess(got.view(T, H, d), ref, (2 * u + 1e-5) * ref.double().abs() + (4 * u + 1e-5) * terms + 1e-30)
+        err = excess(got.view(T, H, d), ref, (2 * u + 1e-5) * ref.double().abs() + (4 * u + 1e-5) * terms + 1e-30)
         assert err <= 0, f"q per-head norm + RoPE = unweighted_rms_norm + apply_rope, {tag}: max excess {err:.3g}"
         # rope alone and its inverse in place: bit for bit
-        o = _t(rng, (T, H * d), 1.0, dname)
+        o = cuda_normal(rng, (T, H * d), 1.0, dname)
         fwd = torch.empty_like(o)
         decode.norm_rope(Job(o, fwd, dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin))
         same = torch.equal(fwd.view(T, H, d), apply_rope(o.view(T, H, d), cos.unsqueeze(1), sin.unsqueeze(1)))
@@ -208,7 +188,7 @@ def _offset_norm(rng, group):
     size = 4 * 2048 if group == 2048 else (4 * 64 if group == 64 else 768)
     norm = OffsetRMSNorm(size, 1e-6, group_size=group).cuda()
     with torch.no_grad():
-        norm.weight.copy_(_t(rng, (size,), 0.3))
+        norm.weight.copy_(cuda_normal(rng, (size,), 0.3))
     return norm, size
 
 
@@ -226,10 +206,10 @@ def test_offset_norm_kernel_matches_offset_rms_norm(rng, group, T) -> None:
     u = UNIT["bfloat16"]
     norm, size = _offset_norm(rng, group)
     with torch.no_grad():
-        x = _t(rng, (T, size), 2.0, "bfloat16")
+        x = cuda_normal(rng, (T, size), 2.0, "bfloat16")
         got = norm.forward_kernel(x)
         ref = offset_rms_norm(x, norm.weight, 1e-6, group)
-        err = _excess(got, ref, (2 * u + 1e-5) * ref.double().abs() + 1e-30)
+        err = excess(got, ref, (2 * u + 1e-5) * ref.double().abs() + 1e-30)
         again = norm(x)
     assert err <= 0 and torch.equal(got, again), (
         f"OffsetRMSNorm kernel = offset_rms_norm, size {size} group {group} T {T}: max excess {err:.3g}"
@@ -246,10 +226,10 @@ def test_offset_norm_kernel_follows_a_changed_weight(rng, group) -> None:
     u = UNIT["bfloat16"]
     norm, size = _offset_norm(rng, group)
     with torch.no_grad():
-        norm.forward_kernel(_t(rng, (1, size), 2.0, "bfloat16"))  # the made weight, as a first call leaves it
+        norm.forward_kernel(cuda_normal(rng, (1, size), 2.0, "bfloat16"))  # the made weight, as a first call leaves it
         norm.weight.add_(0.5)
-        x = _t(rng, (2, size), 1.0, "bfloat16")
-        err = _excess(
+        x = cuda_normal(rng, (2, size), 1.0, "bfloat16")
+        err = excess(
             norm(x),
             offset_rms_norm(x, norm.weight, 1e-6, group),
             (2 * u + 1e-5) * offset_rms_norm(x, norm.weight, 1e-6, group).double().abs() + 1e-30,
@@ -270,9 +250,9 @@ def test_gemv_segments_equal_the_gemv(rng, T) -> None:
 
     u = UNIT["bfloat16"]
     tag = f"T {T}"
-    wide = _t(rng, (T, 2048 + 64), 1.0, "bfloat16")
+    wide = cuda_normal(rng, (T, 2048 + 64), 1.0, "bfloat16")
     x = wide[:, :2048]  # rows 2112 apart: a strided x
-    ws = [_t(rng, (n, 2048), 2048**-0.5, "bfloat16") for n in (768, 256, 61, 512)]
+    ws = [cuda_normal(rng, (n, 2048), 2048**-0.5, "bfloat16") for n in (768, 256, 61, 512)]
     outs = [torch.empty(T, w.shape[0], dtype=torch.bfloat16, device="cuda") for w in ws]
     with torch.no_grad():
         decode.gemv_segments([(x, w, o) for w, o in zip(ws, outs)])
@@ -283,13 +263,13 @@ def test_gemv_segments_equal_the_gemv(rng, T) -> None:
     for w, o in zip(ws, outs):
         ref = xc.double() @ w.double().t()
         bound = u * ref.abs() + 2048 * 2.0**-23 * (xc.double().abs() @ w.double().abs().t())
-        worst = max(worst, _excess(o, ref, bound))
+        worst = max(worst, excess(o, ref, bound))
     assert same, f"segments (q_a, kv, N 61, N 512 of one strided x) = engram_gemv_bf16 bit for bit, {tag}"
     assert worst <= 0, f"segments within float32 sums of float64, {tag}: max excess {worst:.3g}"
     # the grouped output projection: group g of x against rows g * R ..
     G, per_in, R = 4, 1024, 512
-    flat = _t(rng, (T, G * per_in), 1.0, "bfloat16")
-    w = _t(rng, (G * R, per_in), per_in**-0.5, "bfloat16")
+    flat = cuda_normal(rng, (T, G * per_in), 1.0, "bfloat16")
+    w = cuda_normal(rng, (G * R, per_in), per_in**-0.5, "bfloat16")
     y = torch.empty(T, G * R, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         decode.gemv_segments(
@@ -323,9 +303,10 @@ def test_gemv_prologues_equal_the_launches_they_replace(rng, T, q_lora, heads, d
 
     u = UNIT["bfloat16"]
     tag = f"T {T} q_lora {q_lora} heads {heads}x{d} pairs {pairs} groups {groups}"
-    q_a = _t(rng, (T, q_lora + 24), 1.3, "bfloat16")[:, :q_lora]  # a strided row set, as project's outputs are not
-    norm_w = (1 + 0.3 * _t(rng, (q_lora,))).contiguous()
-    ws = [_t(rng, (n, q_lora), q_lora**-0.5, "bfloat16") for n in (heads * d, 61)]
+    # a strided row set, as project's outputs are not
+    q_a = cuda_normal(rng, (T, q_lora + 24), 1.3, "bfloat16")[:, :q_lora]
+    norm_w = (1 + 0.3 * cuda_normal(rng, (q_lora,))).contiguous()
+    ws = [cuda_normal(rng, (n, q_lora), q_lora**-0.5, "bfloat16") for n in (heads * d, 61)]
     with torch.no_grad():
         got = [torch.empty(T, w.shape[0], dtype=torch.bfloat16, device="cuda") for w in ws]
         decode.gemv_segments(
@@ -343,14 +324,14 @@ def test_gemv_prologues_equal_the_launches_they_replace(rng, T, q_lora, heads, d
     )
     ref = normed.double() @ ws[0].double().t()
     bound = u * ref.abs() + q_lora * 2.0**-23 * (normed.double().abs() @ ws[0].double().abs().t())
-    err = _excess(got[0], ref, bound)
+    err = excess(got[0], ref, bound)
     assert err <= 0, f"RMSNorm prologue within float32 sums of float64 (the normed input), {tag}: max excess {err:.3g}"
 
     # the grouped o_a of the core's output after its inverse RoPE
     per_in = heads * d // groups
     R = 96
-    flat = _t(rng, (T, heads * d), 1.0, "bfloat16")
-    w = _t(rng, (groups * R, per_in), per_in**-0.5, "bfloat16")
+    flat = cuda_normal(rng, (T, heads * d), 1.0, "bfloat16")
+    w = cuda_normal(rng, (groups * R, per_in), per_in**-0.5, "bfloat16")
     ang = torch.from_numpy(rng.uniform(0, 100, (T, 1)) * 10000.0 ** -(np.arange(pairs) / pairs)).float().cuda()
     cos, sin = torch.cos(ang), torch.sin(ang)
     untouched = flat.clone()
@@ -378,8 +359,8 @@ def test_gemv_prologues_equal_the_launches_they_replace(rng, T, q_lora, heads, d
     assert torch.equal(flat, untouched), f"RoPE prologue leaves x as it was, {tag}"
 
     if T > decode.GEMV_MAX_TOKENS:  # the _ex entry without a prologue: each row's own product
-        x = _t(rng, (T, 2048), 1.0, "bfloat16")
-        wb = _t(rng, (512, 2048), 2048**-0.5, "bfloat16")
+        x = cuda_normal(rng, (T, 2048), 1.0, "bfloat16")
+        wb = cuda_normal(rng, (512, 2048), 2048**-0.5, "bfloat16")
         with torch.no_grad():
             out = torch.empty(T, 512, dtype=torch.bfloat16, device="cuda")
             decode.gemv_segments([(x, wb, out)])
@@ -390,7 +371,7 @@ def test_gemv_prologues_equal_the_launches_they_replace(rng, T, q_lora, heads, d
                 rows.append(o)
         assert torch.equal(out, torch.cat(rows)), f"{T} rows = each row's own GEMV bit for bit"
         ref = x.double() @ wb.double().t()
-        err = _excess(out, ref, u * ref.abs() + 2048 * 2.0**-23 * (x.double().abs() @ wb.double().abs().t()))
+        err = excess(out, ref, u * ref.abs() + 2048 * 2.0**-23 * (x.double().abs() @ wb.double().abs().t()))
         assert err <= 0, f"{T} rows within float32 sums of float64: max excess {err:.3g}"
 
 
@@ -444,7 +425,7 @@ def test_moe_route_equals_the_routers(rng, dname, kind, E, k, score, T) -> None:
     dtype = getattr(torch, dname)
     tag = f"{kind} top {k} of {E}, {score}, T {T}, {dname}"
     r = _router(kind, E, k, score, 256, dtype, rng)
-    x = _t(rng, (T, 256), 1.0, dname)
+    x = cuda_normal(rng, (T, 256), 1.0, dname)
     ids_in = torch.from_numpy(rng.integers(0, 97, T)).to("cuda")
     with torch.no_grad():
         want_w, want_ids = r(x, ids_in)
@@ -533,7 +514,7 @@ def test_moe_experts_equal_the_loop_and_the_shared_expert(rng, D, I, E, k, T) ->
     gate, up, down = m.stack_experts()
     sh = m.shared_experts
     tag = f"D {D} I {I} top {k} of {E}, T {T}"
-    x = _t(rng, (T, D), 1.0, "bfloat16")
+    x = cuda_normal(rng, (T, D), 1.0, "bfloat16")
     ids = torch.from_numpy(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)).cuda()
     w = torch.from_numpy(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)).cuda().to(torch.bfloat16).float()
     with torch.no_grad():
@@ -560,7 +541,7 @@ def test_moe_experts_equal_the_loop_and_the_shared_expert(rng, D, I, E, k, T) ->
             bound[t] += float(w[t, j]) * (y[t] + tt[t])
     ys, ts = chain(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
     bound += ys + ts + ref.double().abs()
-    err = _excess(got, ref, 4 * u * bound + 1e-6)
+    err = excess(got, ref, 4 * u * bound + 1e-6)
     assert err <= 0 and bool(torch.isfinite(got).all()), (
         f"routed + shared experts = the loop form + shared expert, {tag}: max excess {err:.3g}"
     )
@@ -588,7 +569,7 @@ def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None
             p.copy_(torch.from_numpy(a.astype(np.float32)))
         norm.weight.copy_(torch.from_numpy((1 + 0.3 * rng.standard_normal(D)).astype(np.float32)))
     conn, head, norm = conn.cuda(), head.cuda(), norm.cuda()
-    x = _t(rng, (T, hc, D), 1.5, dname)
+    x = cuda_normal(rng, (T, hc, D), 1.5, dname)
     tag = f"hc {hc} D {D} iters {iters} T {T} {dname}"
     with torch.no_grad():
         got, post, comb = mhc.mhc_pre_norm(
@@ -617,9 +598,9 @@ def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None
         f"pre_norm's post / comb = mhc_pre's bit for bit, {tag}"
     )
     for name, a, t, lo in (("pre", got, tight, loose), ("head", hgot, htight, hloose)):
-        err = _excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
+        err = excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
         assert err <= 0, f"{name}_norm = RMSNorm of the kernel's own collapse, {tag}: max excess {err:.3g}"
-        err = _excess(a, lo, 6 * u * lo.double().abs() + 2e-5 * float(lo.double().abs().max()))
+        err = excess(a, lo, 6 * u * lo.double().abs() + 2e-5 * float(lo.double().abs().max()))
         assert err <= 0 and bool(torch.isfinite(a).all()), (
             f"{name}_norm = torch collapse + RMSNorm, {tag}: max excess {err:.3g}"
         )

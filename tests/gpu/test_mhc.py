@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import REPO, note, say
+from .helpers import REPO, excess, note, say
 
 DTYPES = ["float32", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -73,10 +73,6 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
 
 
-def _excess(got, ref, bound) -> float:
-    return float(((got.double().cpu() - ref.double().cpu()).abs() - bound.double().cpu()).max())
-
-
 @pytest.mark.parametrize("dname", DTYPES)
 @pytest.mark.parametrize("ci", range(len(CASES)))
 def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
@@ -101,7 +97,7 @@ def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
     assert _rel(post_k, post_t) <= 2e-5, f"post = torch, {tag}: max rel {_rel(post_k, post_t):.3g}"
     assert _rel(comb_k, comb_t) <= 2e-5, f"comb = torch, {tag}: max rel {_rel(comb_k, comb_t):.3g}"
     ht = h_t.double().cpu()
-    err = _excess(h_k, ht, 2 * u * ht.abs() + 2e-5 * float(ht.abs().max()))  # one rounding flip: 1 ulp <= 2u|x|
+    err = excess(h_k, ht, 2 * u * ht.abs() + 2e-5 * float(ht.abs().max()))  # one rounding flip: 1 ulp <= 2u|x|
     assert err <= 0 and bool(torch.isfinite(h_k).all()), f"collapsed = torch, {tag}: max excess {err:.3g}"
 
     # the float64 reference on the same inputs: coefficients, and the post step fed the kernel's own post / comb
@@ -114,9 +110,9 @@ def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
     pk, ck = post_k.double().cpu().numpy(), comb_k.double().cpu().numpy()
     want = torch.from_numpy(ref.mhc_post(xs, ys, pk, ck, round_to=rounder))
     terms = torch.from_numpy(ref.mhc_post(np.abs(xs), np.abs(ys), np.abs(pk), np.abs(ck), round_to=rounder))
-    err = _excess(new_k, want, u * want.abs() + 1e-5 * terms)
+    err = excess(new_k, want, u * want.abs() + 1e-5 * terms)
     assert err <= 0, f"new streams = float64 reference (kernel's post / comb), {tag}: max excess {err:.3g}"
-    err = _excess(new_k, new_t, 4 * u * terms + 1e-5 * float(terms.max()))
+    err = excess(new_k, new_t, 4 * u * terms + 1e-5 * float(terms.max()))
     assert err <= 0 and bool(torch.isfinite(new_k).all()), f"new streams = torch expand, {tag}: max excess {err:.3g}"
     nontrivial = float((post_k - 1).abs().max()) > 0.05 and float((comb_k - 1.0 / hc).abs().max()) > 1e-3
     assert nontrivial or hc == 1, (
@@ -148,9 +144,9 @@ def test_head_matches_the_torch_module(rng, dname, hc, D, T) -> None:
         )
     )
     tag = f"hc {hc} D {D} T {T} {dname}"
-    err = _excess(got, want, 2 * u * want.abs() + 2e-5 * float(want.abs().max()))
+    err = excess(got, want, 2 * u * want.abs() + 2e-5 * float(want.abs().max()))
     assert err <= 0 and bool(torch.isfinite(got).all()), f"head = torch HyperHead, {tag}: max excess {err:.3g}"
-    err = _excess(got, want64, u * want64.abs() + 2e-5 * float(want64.abs().max()))
+    err = excess(got, want64, u * want64.abs() + 2e-5 * float(want64.abs().max()))
     assert err <= 0, f"head = float64 reference, {tag}: max excess {err:.3g}"
 
 
@@ -241,12 +237,12 @@ def test_fold_equals_post_then_collapse(rng, dname, ci) -> None:
     e64 = max(_rel(post, torch.from_numpy(post64)), _rel(comb, torch.from_numpy(comb64)))
     assert e64 <= 2e-5, f"fold: next post / comb = float64 reference, {tag}: max rel {e64:.3g}"
     hr = h_ref.double().cpu()
-    err = _excess(h, hr, 2 * u * hr.abs() + 2e-5 * float(hr.abs().max()))
+    err = excess(h, hr, 2 * u * hr.abs() + 2e-5 * float(hr.abs().max()))
     assert err <= 0, f"fold: collapse = mhc_pre's, {tag}: max excess {err:.3g}"
     for name, a, t, lo in (("pre_norm", hn, hn_tight, hn_loose), ("head_norm", head_got, head_tight, head_loose)):
-        err = _excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
+        err = excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
         assert err <= 0, f"fold {name} = RMSNorm of the kernel's own collapse, {tag}: max excess {err:.3g}"
-        err = _excess(a, lo, 6 * u * lo.double().abs() + 2e-5 * float(lo.double().abs().max()))
+        err = excess(a, lo, 6 * u * lo.double().abs() + 2e-5 * float(lo.double().abs().max()))
         assert err <= 0, f"fold {name} = torch collapse + RMSNorm, {tag}: max excess {err:.3g}"
     finite = all(bool(torch.isfinite(t).all()) for t in (new, h, post, comb, hn, head_got))
     assert finite and p_none is None and c_none is None, f"fold: every output finite, {tag}"

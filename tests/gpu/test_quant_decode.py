@@ -22,14 +22,13 @@ on a GPU, and the DeepSeek-V4 fused glue that calls them:
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from .helpers import env
 from .test_deepseek_v4_quant import (
     _load,
     folders,  # noqa: F401  (the module-scoped fixture)
@@ -211,19 +210,6 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
     assert bool(torch.equal(no_pick, zero_pick)), f"fused MoE: a pick outside [0, E) adds nothing, {tag}"
 
 
-@contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def test_tiny_quantized_model_graphed_decode_equals_eager(
     dev,
     folders: dict[str, Path],  # noqa: F811
@@ -249,8 +235,8 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(
             return _real(*args, **kw)
 
         monkeypatch.setattr(qd, name, counted)
-    for label, env in (("fused", "1"), ("old", "0")):
-        with _env(fused.QUANT_FUSED_ENV, env):
+    for label, switch in (("fused", "1"), ("old", "0")):
+        with env(fused.QUANT_FUSED_ENV, switch):
             eager, graphed = model.new_cache(slots + 1, max_len), model.new_cache(slots + 1, max_len)
             step = PackedStep(torch.tensor([t for p in prompts for t in p]), lens, [0] * slots, list(range(slots)))
             first = None

@@ -28,38 +28,21 @@ against the PyTorch forms each kernel replaces, on the same GPU:
 
 from __future__ import annotations
 
-import contextlib
-import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from .helpers import REPO, load_checkpoint, note
+from .helpers import REPO, cuda_normal, env, load_checkpoint, note
 
 U = 2.0**-8  # bf16 unit round-off
 EPS32 = 2.0**-23
 
 
-def _t(rng, shape, scale=1.0, dtype="float32"):
-    import torch
-
-    return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32)).to("cuda", getattr(torch, dtype))
-
-
-@contextlib.contextmanager
 def _fused(on: bool):
     from engram_trt.models.qwen4_exp import fused
 
-    before = os.environ.get(fused.FUSED_ENV)
-    os.environ[fused.FUSED_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(fused.FUSED_ENV, None)
-        else:
-            os.environ[fused.FUSED_ENV] = before
+    return env(fused.FUSED_ENV, "1" if on else "0")
 
 
 # --- 1. moe_route, softmax ---------------------------------------------------------------------------
@@ -85,7 +68,7 @@ def test_softmax_route_equals_the_module(rng, dname, norm, E, k, T) -> None:
     from engram_trt.native import decode
 
     dtype = getattr(torch, dname)
-    logits = _t(rng, (T, E), 2.0, dname)
+    logits = cuda_normal(rng, (T, E), 2.0, dname)
     want_w, want_ids = _torch_route(logits, k, norm)
     ids, w = decode.moe_route(logits, top_k=k, score_fn="softmax" if norm else "softmax_topk", scaling=1.0)
     torch.cuda.synchronize()
@@ -203,7 +186,7 @@ def test_moe_experts_qwen_layout_equal_the_loop(rng, D, I, Is, E, k, T) -> None:
     m = _moe(D, I, Is, E, k, True, rng)
     gate, up, down, inter = m._stacks()
     assert tuple(down.shape) == (D, E * I), f"the side-by-side down stack: {tuple(down.shape)}"
-    x = _t(rng, (T, D), 1.0, "bfloat16")
+    x = cuda_normal(rng, (T, D), 1.0, "bfloat16")
     ids = torch.from_numpy(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)).cuda()
     w = torch.from_numpy(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)).cuda().to(torch.bfloat16)
     gl = (x @ m.shared_expert_gate.weight.t()).contiguous()  # [T, 1] bf16, the gate's logits
@@ -286,7 +269,7 @@ def test_hc_mix_equals_the_module(rng, D, hc, rank, inject, T) -> None:
     from engram_trt.native import decode
 
     c = _conn(D, hc, rank, inject, rng)
-    streams = _t(rng, (T, hc * D), 1.0, "bfloat16")
+    streams = cuda_normal(rng, (T, hc * D), 1.0, "bfloat16")
     with torch.no_grad():
         normed = c.hc_norm(streams)
         z = c.input_mix_weight_down(normed)
@@ -327,7 +310,7 @@ def test_fused_mix_equals_the_module(rng) -> None:
     from .cases import rel_err
 
     c = _conn(2048, 4, 320, True, rng)
-    streams = _t(rng, (4, 4 * 2048), 1.0, "bfloat16")
+    streams = cuda_normal(rng, (4, 4 * 2048), 1.0, "bfloat16")
     with torch.no_grad():
         got = fused.mix(c, streams)
         assert got is not None, f"the fused mix serves bf16 on this GPU: {fused.unavailable(streams)}"
