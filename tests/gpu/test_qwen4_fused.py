@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import REPO, cuda_normal, env, load_checkpoint, note
+from .helpers import REPO, cuda_normal, env, excess, load_checkpoint, note
 
 U = 2.0**-8  # bf16 unit round-off
 EPS32 = 2.0**-23
@@ -205,9 +205,9 @@ def test_moe_experts_qwen_layout_equal_the_loop(rng, D, I, Is, E, k, T) -> None:
         ref = _loop_reference(m, x, w, ids.long())
         bound = _bound(m, x, w.float(), ids, ref)
     torch.cuda.synchronize()
-    excess = float(((got.double() - ref.double()).abs() - bound).max())
+    over = excess(got, ref, bound)
     note(f"experts_bit_exact_{D}_{I}_{E}_{k}_{T}", bool(torch.equal(got, ref)))
-    assert excess <= 0, f"D {D} I {I} I_s {Is} top {k} of {E}, T {T}: |got - ref| over the bound by {excess:.3g}"
+    assert over <= 0, f"D {D} I {I} I_s {Is} top {k} of {E}, T {T}: |got - ref| over the bound by {over:.3g}"
 
 
 # --- 3. fused.moe against the module -----------------------------------------------------------------
@@ -233,8 +233,8 @@ def test_fused_moe_equals_the_module(rng, norm, T) -> None:
         w, ids = m.route(x)
         bound = _bound(m, x, w.float(), ids, ref)
     torch.cuda.synchronize()
-    excess = float(((got.double() - ref.double()).abs() - bound).max())
-    assert excess <= 0, f"T {T}, norm {norm}: fused MoE = the module's within the bound; over by {excess:.3g}"
+    over = excess(got, ref, bound)
+    assert over <= 0, f"T {T}, norm {norm}: fused MoE = the module's within the bound; over by {over:.3g}"
     with _fused(False):
         assert fused.moe(m, x) is None, "ENGRAM_TRT_QWEN4_FUSED=0 turns the fused MoE off"
 
@@ -288,9 +288,9 @@ def test_hc_mix_equals_the_module(rng, D, hc, rank, inject, T) -> None:
     wdd = torch.sigmoid(ud)
     dw = (2 * U * ud.abs() + 2.0**-20 * td) / 4 + 2 * U
     bound = 2 * U * ref_mixed.double().abs() + ((xd.abs() * dw + 2 * U * (wdd * xd).abs()).sum(1)) / hc
-    excess = float(((got_mixed.double() - ref_mixed.double()).abs() - bound).max())
+    over = excess(got_mixed, ref_mixed, bound)
     note(f"hc_mix_bit_exact_{D}_{hc}_{rank}_{T}", bool(torch.equal(got_mixed, ref_mixed)))
-    assert excess <= 0, f"D {D} hc {hc} rank {rank} T {T}: mixed over the bound by {excess:.3g}"
+    assert over <= 0, f"D {D} hc {hc} rank {rank} T {T}: mixed over the bound by {over:.3g}"
     if inject:
         diff = (got_inj.double() - ref_inj.double()).abs()
         assert bool((diff <= 2 * U * ref_inj.double().abs()).all()), f"injection weights within one ulp: {diff.max()}"
