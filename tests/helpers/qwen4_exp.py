@@ -170,3 +170,23 @@ def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
 
 # A Qwen4Exp whose heads and experts divide by 4 (the tensor-parallel tests' case overrides).
 QWEN_TP4 = dict(num_attention_heads=4, indexer_n_heads=4, num_experts=8)  # kv 1, linear k heads 2 / v heads 4
+
+
+def gdn_config(**overrides: Any) -> Any:
+    """transformers' Qwen4ExpTextConfig of one Gated DeltaNet layer (hidden 32, 2 key heads and
+    4 value heads of 8, a 4-tap convolution) with ``overrides``."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    fields: dict[str, Any] = dict(
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        rms_norm_eps=1e-6,
+    )
+    fields.update(overrides)
+    return Qwen4ExpTextConfig(**fields)

@@ -157,19 +157,9 @@ def test_gated_delta_net_decode_projects_in_two_launches(emulated) -> None:
     from engram_trt.models.qwen4_exp import fused
     from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
 
-    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+    from helpers.qwen4_exp import gdn_config
 
-    cfg = Qwen4ExpTextConfig(
-        hidden_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-        rms_norm_eps=1e-6,
-    )
+    cfg = gdn_config()
     torch.manual_seed(2)
     ours = GatedDeltaNet(cfg, 0).eval()
     with torch.no_grad():
@@ -239,20 +229,11 @@ def test_gated_delta_net_decode_takes_the_steps_meta(monkeypatch) -> None:
     """The step's int32 meta the model passes (``[0..B, past lengths, slots]``) reaches the
     core as the layer would build it (past lengths only as > 0: each position >= 1), and
     ``-exp(A_log)`` is made once and reused while A_log is unchanged."""
-    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+    from helpers.qwen4_exp import gdn_config
 
     from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
 
-    cfg = Qwen4ExpTextConfig(
-        hidden_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-    )
+    cfg = gdn_config()
     torch.manual_seed(4)
     layer = GatedDeltaNet(cfg, 0).eval()
     seen: list[torch.Tensor] = []

@@ -17,6 +17,8 @@ from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet, chunked_
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
+
+from helpers.qwen4_exp import gdn_config  # noqa: E402
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedDeltaNet  # noqa: E402
 
 HIDDEN = 32
@@ -24,19 +26,7 @@ NUM_SLOTS = 5
 
 
 def make_config(**overrides) -> Qwen4ExpTextConfig:
-    fields = dict(
-        hidden_size=HIDDEN,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-        rms_norm_eps=1e-6,
-    )
-    fields.update(overrides)
-    return Qwen4ExpTextConfig(**fields)
+    return gdn_config(hidden_size=HIDDEN, **overrides)
 
 
 def randomized_pair(cfg: Qwen4ExpTextConfig, seed: int = 0) -> tuple[GatedDeltaNet, Qwen4ExpTextGatedDeltaNet]:
