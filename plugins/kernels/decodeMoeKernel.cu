@@ -110,14 +110,15 @@ __global__ void __launch_bounds__(kRouteThreads)
         rowMax = warpMax(rowMax);
         for (int32_t e = lane; e < numExperts; e += 32)
         {
-            rowSum += expf(toFloat(row[e]) - rowMax);
+            float const x = expf(toFloat(row[e]) - rowMax);
+            scores[e] = x; // this lane's own experts: the loop below reads them back, no sync needed
+            rowSum += x;
         }
         rowSum = warpSum(rowSum);
     }
     for (int32_t e = lane; e < numExperts; e += 32)
     {
-        float const s
-            = softmax ? __fdiv_rn(expf(toFloat(row[e]) - rowMax), rowSum) : scoreOf<T>(toFloat(row[e]), scoreFn);
+        float const s = softmax ? __fdiv_rn(scores[e], rowSum) : scoreOf<T>(toFloat(row[e]), scoreFn);
         scores[e] = s;
         keys[e] = bias != nullptr ? __fadd_rn(s, bias[e]) : s;
     }
