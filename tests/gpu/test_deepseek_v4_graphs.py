@@ -475,6 +475,27 @@ def test_breakdown_times_every_module_kind_inside_the_graph(which: str) -> None:
     )
 
 
+@pytest.mark.parametrize("which", ["deepseek_v4_tiny", "qwen4_exp_tiny"])
+def test_kernel_profile_records_the_graphs_kernels(which: str) -> None:
+    """bench e2e --breakdown-kernels: CUPTI's records of the replayed step's kernels, each
+    step's work inside the CUDA-event span around its call."""
+    from engram_trt.bench.breakdown import decode_kernel_profile, format_kernel_profile
+
+    folder = REPO / "tests" / "data" / which
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    p = decode_kernel_profile(folder, device="cuda", dtype="bf16", prompt_tokens=8, reps=3)
+    say("\n".join(format_kernel_profile(p)))
+    calls = sum(k["calls"] for k in p.get("kernels", {}).values())
+    assert p.get("mode") == "graph" and p.get("steps") == 3 and calls >= n, (
+        f"{which}: the profile of 3 replayed steps records each step's kernels (at least one a layer, {n}): mode "
+        f"{p.get('mode')}, {calls} records a step; {p.get('skipped', '')}"
+    )
+    assert 0 < p["busy_ms"] and 0 < p["span_ms"] <= 1.02 * p["step_ms"] + 0.005, (
+        f"{which}: the kernels run inside the step's CUDA-event span: busy {p['busy_ms']:.4f} ms, span "
+        f"{p['span_ms']:.4f} ms, step {p['step_ms']:.4f} ms"
+    )
+
+
 # -- 7. the ~1.6B shape against transformers, float32 ------------------------------------------
 
 

@@ -30,12 +30,22 @@ modules (RoPE angles, casts), Qwen4Exp's LM head GEMM, the graph's launch.
 ``detail`` (``bench e2e --breakdown-detail``, DeepSeek-V4): spans inside the kinds, reported
 apart (:func:`deepseek_details`: the fused glue's GEMV / norm-RoPE / router / experts
 launches and the attention kernel's core), for choosing what to fuse next.
+
+The kernel profile (``bench e2e --breakdown-kernels``, :func:`decode_kernel_profile`): the
+same step with no events in it (each event pair costs GPU time of its own: a step measures
+more with the breakdown's events than without), its kernels', copies' and memsets' own GPU
+durations as the CUDA profiler (CUPTI, through ``torch.profiler``) records them; CUPTI
+records each kernel a graph replays. Per step: the kernels by name
+(:func:`kernel_short_name`), their busy time, the span from the first kernel's start to
+the last one's end, and the idle time between them (:func:`summarize_kernels`).
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 _ATTN = {
     "sliding_attention": "attention.sliding",
@@ -183,6 +193,36 @@ def _graphs_for(model: Any, cache: Any, backend: Any) -> Any:
     )
 
 
+def _prompt_token(i: int, vocab: int) -> int:
+    """The made prompt's ``i``-th token id (and the kernel profile's decode tokens after it)."""
+    return (17 * i + 5) % max(vocab - 3, 1) + 3
+
+
+@contextmanager
+def _one_sequence(
+    folder: Any, *, device: str, dtype: str, max_len: int, what: str
+) -> Iterator[tuple[Any, Any, Any, str] | dict[str, Any]]:
+    """``(model, cache, graphs, family)`` of ``folder`` on the torch backend for one sequence
+    of at most ``max_len`` tokens (``graphs``: :func:`_graphs_for`, None off CUDA), or the
+    ``{"skipped": ...}`` of a model ``what`` (the breakdown, the kernel profile) does not time."""
+    from engram_trt import LLM
+
+    with LLM(
+        str(folder), backend="torch", device=device, dtype=dtype, max_batch_size=1, max_seq_len=max_len, progress=False
+    ) as llm:
+        backend = llm.runner.backend
+        model = backend.model
+        family = _family(model)
+        if family not in ("deepseek-v4", "qwen4-exp"):
+            yield {"skipped": f"no {what} for {family} (DeepSeek-V4 and Qwen4Exp only)"}
+        elif model.config.engram is not None:
+            yield {"skipped": "V4.1's staged rows need the runtime's prefetcher: time a V4 folder"}
+        else:
+            cache = model.new_cache(2, max_len)
+            graphs = _graphs_for(model, cache, backend) if model.device.type == "cuda" else None
+            yield model, cache, graphs, family
+
+
 def decode_breakdown(
     folder: Any,
     *,
@@ -199,26 +239,17 @@ def decode_breakdown(
     in the graph: the kinds' own times grow by their cost)."""
     import torch
 
-    from engram_trt import LLM
     from engram_trt.models.step import PackedStep
 
     if torch.device(device).type != "cuda":
         return {"skipped": "no CUDA device (the breakdown times CUDA events)"}
     max_len = max_seq_len or prompt_tokens + reps + 8
-    with LLM(
-        str(folder), backend="torch", device=device, dtype=dtype, max_batch_size=1, max_seq_len=max_len, progress=False
-    ) as llm:
-        backend = llm.runner.backend
-        model = backend.model
-        family = _family(model)
-        if family not in ("deepseek-v4", "qwen4-exp"):
-            return {"skipped": f"no breakdown for {family} (DeepSeek-V4 and Qwen4Exp only)"}
-        if model.config.engram is not None:
-            return {"skipped": "V4.1's staged rows need the runtime's prefetcher: time a V4 folder"}
-        cache = model.new_cache(2, max_len)
-        graphs = _graphs_for(model, cache, backend) if model.device.type == "cuda" else None
+    with _one_sequence(folder, device=device, dtype=dtype, max_len=max_len, what="breakdown") as got:
+        if isinstance(got, dict):
+            return got
+        model, cache, graphs, family = got
         vocab = int(model.config.vocab_size)
-        prompt = [(17 * i + 5) % max(vocab - 3, 1) + 3 for i in range(prompt_tokens)]
+        prompt = [_prompt_token(i, vocab) for i in range(prompt_tokens)]
         clock = RegionClock()
         samples: list[dict[str, Any]] = []
         totals: list[float] = []
@@ -312,11 +343,260 @@ def format_breakdown(b: dict[str, Any]) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------- the kernel profile
+DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the profiler's activity types of GPU work
+NOT_WORK = ("gpu_user_annotation", "cuda_sync", "cuda_profiler_range")  # device-side records that are not work
+SHORT_NAME_CHARS = 60
+_GENERIC = {"Kernel", "Kernel2", "device_kernel", "kernel", "global_kernel"}  # cutlass' wrappers: name the argument
+
+
+def _split_top(name: str) -> tuple[str, str | None, str]:
+    """``(head, template, rest)`` of a demangled name: ``head`` the text before the first
+    ``<`` or ``(`` outside brackets, ``template`` the bracketed arguments after it (None
+    without), ``rest`` what follows them."""
+    for i, c in enumerate(name):
+        if c in "<(":
+            if c == "(":
+                return name[:i], None, name[i:]
+            depth = 0
+            for j in range(i, len(name)):
+                depth += name[j] in "<(["
+                depth -= name[j] in ">)]"
+                if depth == 0:
+                    return name[:i], name[i + 1 : j], name[j + 1 :]
+            return name[:i], name[i + 1 :], ""
+    return name, None, ""
+
+
+def _first_argument(args: str) -> str:
+    depth = 0
+    for i, c in enumerate(args):
+        depth += c in "<(["
+        depth -= c in ">)]"
+        if c == "," and depth == 0:
+            return args[:i]
+    return args
+
+
+def kernel_short_name(name: str) -> str:
+    """The function name of a demangled kernel name, without its return type, namespaces,
+    template arguments and argument list: ``void ns::(anonymous namespace)::fooKernel<float,
+    3>(float*, int)`` -> ``fooKernel``; a cutlass wrapper (``cutlass::Kernel2<G>(...)``,
+    ``cutlass::device_kernel<G>``) by its first template argument ``G``'s short name; at most
+    :data:`SHORT_NAME_CHARS` characters (cuBLAS' long names without arguments are cut).
+    Copies and memsets (``Memcpy HtoD (Pinned -> Device)``, ``Memset (Device)``) keep their
+    names."""
+    n = name.strip()
+    if n.startswith(("Memcpy", "Memset")):
+        return n
+    n = n.replace("(anonymous namespace)", "{anonymous}")
+    # the qualified name: the last word of the text outside brackets before the argument list
+    outside, rest, last_args = "", n, None
+    while rest:
+        head, args, rest = _split_top(rest)
+        outside += head
+        if args is None:
+            break
+        outside += "<>"
+        last_args = args
+    words = outside.split()
+    qualified = words[-1] if words else n
+    short = qualified.split("::")[-1]
+    template = short.endswith("<>")
+    short = short.removesuffix("<>")
+    if short in _GENERIC and template and last_args:
+        inner = kernel_short_name(_first_argument(last_args))
+        short = inner or short
+    return (short or n)[:SHORT_NAME_CHARS]
+
+
+def device_records(events: Iterable[Any]) -> tuple[list[tuple[str, float, float]], list[str]]:
+    """``[(name, start_us, duration_us)]`` of the GPU work among a profile's events
+    (``torch.profiler.profile.events()``: ``FunctionEvent`` with ``activity_type`` one of
+    :data:`DEVICE_ACTIVITIES`, or any other on a CUDA ``device_type`` but
+    :data:`NOT_WORK`'s; ``time_range`` in microseconds), and every activity type seen (for
+    a report when none is GPU work)."""
+    from torch.autograd import DeviceType
+
+    out: list[tuple[str, float, float]] = []
+    seen: dict[str, None] = {}
+    for e in events:
+        kind = str(getattr(e, "activity_type", None))
+        seen[kind] = None
+        if kind in DEVICE_ACTIVITIES or (e.device_type == DeviceType.CUDA and kind not in NOT_WORK):
+            out.append((str(e.name), float(e.time_range.start), float(e.time_range.elapsed_us())))
+    return out, list(seen)
+
+
+def summarize_kernels(records: list[tuple[str, float, float]], reps: int) -> dict[str, Any]:
+    """Per-step figures of the GPU work of ``reps`` decode steps, ``records`` ``(name,
+    start_us, duration_us)`` in any order. The steps are told apart by the ``reps - 1``
+    widest gaps between one record's start and the end of all before it (the steps are
+    run apart: the profile sleeps between them). Returns ``busy_ms`` (the durations' sum
+    per step), ``span_ms`` (the first start to the last end, the mean over the steps),
+    ``idle_ms`` (span - busy: the launch gaps; below 0 where work overlapped),
+    ``kernels`` ``{short name: {"calls", "ms", "us_each", "full"}}`` (per step: calls and
+    ms over ``reps``; ``us_each`` the mean of one; ``full`` the distinct full names) and
+    ``order`` (the names by ms, most first)."""
+    if reps < 1:
+        raise ValueError(f"reps {reps}: at least 1")
+    if len(records) < reps:
+        raise ValueError(f"{len(records)} GPU records for {reps} steps: at least one a step")
+    rows = sorted(records, key=lambda r: (r[1], r[1] + r[2]))
+    gaps = []
+    end = rows[0][1] + rows[0][2]
+    for i in range(1, len(rows)):
+        gaps.append((rows[i][1] - end, i))
+        end = max(end, rows[i][1] + rows[i][2])
+    cuts = sorted(i for _, i in sorted(gaps, key=lambda g: (-g[0], g[1]))[: reps - 1])
+    bounds = [0, *cuts, len(rows)]
+    spans = []
+    for a, b in zip(bounds, bounds[1:]):
+        step = rows[a:b]
+        spans.append(max(r[1] + r[2] for r in step) - step[0][1])
+    kernels: dict[str, dict[str, Any]] = {}
+    full: dict[str, dict[str, None]] = {}
+    busy = 0.0
+    for name, _, dur in rows:
+        short = kernel_short_name(name)
+        k = kernels.setdefault(short, {"calls": 0, "us": 0.0})
+        k["calls"] += 1
+        k["us"] += dur
+        full.setdefault(short, {})[name] = None
+        busy += dur
+    out_kernels = {
+        short: {
+            "calls": k["calls"] / reps,
+            "ms": k["us"] / reps / 1e3,
+            "us_each": k["us"] / k["calls"],
+            "full": list(full[short]),
+        }
+        for short, k in kernels.items()
+    }
+    span_ms = sum(spans) / reps / 1e3
+    busy_ms = busy / reps / 1e3
+    return {
+        "busy_ms": busy_ms,
+        "span_ms": span_ms,
+        "idle_ms": span_ms - busy_ms,
+        "kernels": out_kernels,
+        "order": sorted(out_kernels, key=lambda k: (-out_kernels[k]["ms"], k)),
+    }
+
+
+def decode_kernel_profile(
+    folder: Any,
+    *,
+    device: str,
+    dtype: str,
+    prompt_tokens: int,
+    reps: int,
+    max_seq_len: int | None = None,
+) -> dict[str, Any]:
+    """The GPU work of ``reps`` decode steps of one sequence after a prompt of
+    ``prompt_tokens``, as the CUDA profiler records it (module docstring): the steps of
+    :func:`decode_breakdown` (the model's recorded step, eager where it has none) with no
+    events inside, after two warm-up steps (the first records the graph). The decode
+    tokens are the made prompt's sequence continued (no argmax between the steps: its
+    kernels would count), and the steps sleep 2 ms apart so that
+    :func:`summarize_kernels` tells them apart. ``step_ms``: the median of the profiled
+    steps' CUDA-event spans around the whole call (the input copies and the replay)."""
+    import torch
+
+    from engram_trt.models.step import PackedStep
+
+    if torch.device(device).type != "cuda":
+        return {"skipped": "no CUDA device (the kernel profile reads the GPU's kernel records)"}
+    from torch.profiler import ProfilerActivity, profile
+
+    tries = 3  # a window in which a new graph was recorded (a new context bucket) is run again
+    max_len = max_seq_len or prompt_tokens + 2 + tries * reps + 8
+    with _one_sequence(folder, device=device, dtype=dtype, max_len=max_len, what="kernel profile") as got:
+        if isinstance(got, dict):
+            return got
+        model, cache, graphs, family = got
+        vocab = int(model.config.vocab_size)
+        prompt = [_prompt_token(i, vocab) for i in range(prompt_tokens)]
+        model.forward_step(PackedStep(torch.tensor(prompt), [prompt_tokens], [0], [0]), cache)
+        state: dict[str, Any] = {"past": prompt_tokens, "graphs": graphs, "mode": "graph" if graphs else "eager"}
+
+        def step() -> float:
+            past = state["past"]
+            s = PackedStep(torch.tensor([_prompt_token(past, vocab)]), [1], [past], [0])
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g = state["graphs"]
+            if g is None or g.run(s, None) is None:
+                if g is not None:
+                    state["mode"], state["graphs"] = f"eager (graphs off: {g.failed})", None
+                model.forward_step(s, cache)
+            b.record()
+            torch.cuda.synchronize()
+            state["past"] = past + 1
+            return float(a.elapsed_time(b))
+
+        step()  # records the graph (or warms the eager path)
+        step()
+        for _ in range(tries):
+            captures = getattr(state["graphs"], "captures", 0)
+            totals = []
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for i in range(reps):
+                    if i:
+                        time.sleep(0.002)  # the steps apart on the GPU's timeline
+                    totals.append(step())
+                torch.cuda.synchronize()
+            if getattr(state["graphs"], "captures", 0) == captures:
+                break
+        else:
+            return {"skipped": f"a new decode graph was recorded in each of {tries} profiled windows", "family": family}
+        records, seen = device_records(prof.events())
+    if len(records) < reps:
+        why = f"{len(records)} GPU records in {reps} steps (the profile's activity types: {', '.join(seen)})"
+        return {"skipped": why, "family": family}
+    return {
+        "family": family,
+        "mode": state["mode"],
+        "steps": reps,
+        "step_ms": statistics.median(totals),
+        **summarize_kernels(records, reps),
+    }
+
+
+def format_kernel_profile(p: dict[str, Any], top: int = 25) -> list[str]:
+    """The printed table of :func:`decode_kernel_profile`: the step's figures, then the
+    ``top`` kernels by GPU time a step (calls a step, ms a step, us each, share of busy)."""
+    if "skipped" in p:
+        return [f"kernel profile: skipped ({p['skipped']})"]
+    busy = p["busy_ms"]
+    lines = [
+        f"kernels of one decode step ({p['mode']}, mean of {p['steps']}): step {p['step_ms']:.3f} ms (CUDA events), "
+        f"kernels busy {busy:.3f} ms, first start to last end {p['span_ms']:.3f} ms, idle {p['idle_ms']:.3f} ms",
+        f"  {'kernel':{SHORT_NAME_CHARS}} {'calls':>7} {'ms':>8} {'us each':>8} {'busy':>6}",
+    ]
+    for name in p["order"][:top]:
+        k = p["kernels"][name]
+        share = 100 * k["ms"] / busy if busy > 0 else 0.0
+        lines.append(f"  {name:{SHORT_NAME_CHARS}} {k['calls']:7.2f} {k['ms']:8.3f} {k['us_each']:8.2f} {share:5.1f}%")
+    rest = p["order"][top:]
+    if rest:
+        ms = sum(p["kernels"][n]["ms"] for n in rest)
+        lines.append(f"  ({len(rest)} more kernels: {ms:.3f} ms)")
+    return lines
+
+
 __all__ = [
+    "DEVICE_ACTIVITIES",
+    "NOT_WORK",
     "RegionClock",
     "decode_breakdown",
+    "decode_kernel_profile",
     "deepseek_details",
     "deepseek_regions",
+    "device_records",
     "format_breakdown",
+    "format_kernel_profile",
+    "kernel_short_name",
     "qwen4_regions",
+    "summarize_kernels",
 ]
