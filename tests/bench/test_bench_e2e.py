@@ -53,6 +53,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--concurrency",
             "1,2",
             "--breakdown",
+            "--breakdown-kernels",
             "--work-dir",
             str(root / "work"),
             "--json",
@@ -83,6 +84,7 @@ def test_every_run_reports_and_the_tokens_equal_transformers(report: dict[str, A
         assert sorted(int(n) for n in levels) == [1, 2] and all(v["tokens_per_s"] > 0 for v in levels.values())
         assert levels["1"]["ratio_to_one"] == pytest.approx(1.0)
         assert r["breakdown"] == {"skipped": "no CUDA device (the breakdown times CUDA events)"}
+        assert r["kernel_profile"] == {"skipped": "no CUDA device (the kernel profile reads the GPU's kernel records)"}
         assert Path(r["folder"], "tokenizer.json").is_file()
 
 

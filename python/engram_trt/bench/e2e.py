@@ -23,7 +23,9 @@ For each ``--shapes`` entry (or the one ``--path`` folder) in one call:
    a fresh process): tokens/s per level and the ratio to one stream;
 6. ``--breakdown``: where one graphed decode step's GPU time goes, by module kind
    (:mod:`engram_trt.bench.breakdown`: CUDA events recorded inside the step's CUDA graph);
-   ``--breakdown-detail`` adds the spans inside the kinds (DeepSeek-V4's fused launches).
+   ``--breakdown-detail`` adds the spans inside the kinds (DeepSeek-V4's fused launches);
+   ``--breakdown-kernels``: the same step's kernels by their own GPU durations (the CUDA
+   profiler's records, no events in the step; ``breakdown.decode_kernel_profile``).
 
 Printed as a table and written with ``--json``: tokens/s, ms per step, the floor, ours /
 floor (how many floors a step takes) and ours / transformers; ``--plot`` draws bench serve's
@@ -96,8 +98,15 @@ class E2eOptions:
         help="with --breakdown (DeepSeek-V4): also the spans inside the kinds (the "
         "fused glue's launches by kernel, the attention core), reported apart",
     )
+    breakdown_kernels: bool = opt(
+        False,
+        help="also profile one graphed decode step's kernels (DeepSeek-V4, Qwen4Exp): each kernel's own GPU "
+        "time a step as the CUDA profiler records it, no events in the step; the busy time and the gaps",
+    )
     breakdown_reps: int = opt(
-        5, argtype=("int_arg", 1, 1000), help="replays the breakdown's medians take (default: %(default)s)"
+        5,
+        argtype=("int_arg", 1, 1000),
+        help="replays the breakdown's medians take, and the steps --breakdown-kernels profiles (default: %(default)s)",
     )
     json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
     plot: str | None = opt(
@@ -456,6 +465,12 @@ def bench_folder(folder: Path, shape: str, opts: E2eOptions, limits: dict[str, f
             reps=opts.breakdown_reps,
             detail=opts.breakdown_detail,
         )
+    if opts.breakdown_kernels:
+        from engram_trt.bench.breakdown import decode_kernel_profile
+
+        res["kernel_profile"] = decode_kernel_profile(
+            folder, device=opts.device, dtype=opts.dtype, prompt_tokens=opts.prompt_tokens, reps=opts.breakdown_reps
+        )
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res
@@ -528,6 +543,10 @@ def report(res: dict[str, Any]) -> list[str]:
         from engram_trt.bench.breakdown import format_breakdown
 
         lines += ["  " + line for line in format_breakdown(res["breakdown"])]
+    if "kernel_profile" in res:
+        from engram_trt.bench.breakdown import format_kernel_profile
+
+        lines += ["  " + line for line in format_kernel_profile(res["kernel_profile"])]
     lines.append(f"  run: {run.get('backend')}; graph shapes {run.get('graph_shapes')}")
     return lines
 
