@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from engram_trt.models.parallel import is_parallel
@@ -35,6 +36,38 @@ from engram_trt.models.qwen4_exp.state import decode_context
 from engram_trt.models.step import PackedStep
 
 log = logging.getLogger(__name__)
+
+
+def fill_host(
+    h: np.ndarray, ids: np.ndarray, past_lens: list[int], slots: list[int], context: np.ndarray, scratch: int, eos: int
+) -> np.ndarray:
+    """A decode step of ``S = len(ids)`` sequences into a bucket's host buffer ``h [3 + N-1, G]``
+    (:meth:`Qwen4ExpDecodeGraphs._buffers`' layout): token id, position (the past length),
+    slot, then the n-gram context ``context[slot]`` (``[slots, N-1]``, the state's host
+    array); columns S..G-1 a padding sequence each (position 0, the scratch slot, EOS
+    context). NumPy writes into the pinned buffer's memory: a handful of array stores where
+    the torch form took some twenty CPU tensor ops a step. Returns the step's contexts
+    ``[S, N-1]`` (a copy) for :func:`advance_context`."""
+    S = ids.shape[0]
+    h[:, S:] = 0
+    h[2, S:] = scratch
+    h[3:, S:] = eos
+    h[0, :S] = ids
+    h[1, :S] = past_lens
+    h[2, :S] = slots
+    ctx = context[np.asarray(slots, dtype=np.int64)]
+    if h.shape[0] > 3:
+        h[3:, :S] = ctx.T
+    return ctx
+
+
+def advance_context(context: np.ndarray, slots: list[int], ctx: np.ndarray, ids: np.ndarray) -> None:
+    """After a decode step (one token a sequence): each slot's n-gram context becomes its
+    last N-2 ids then its token (``engram.ple_hash.next_context`` of a one-token step, in
+    place in the state's host array ``context``)."""
+    n = ctx.shape[1]
+    if n:
+        context[np.asarray(slots, dtype=np.int64)] = np.concatenate([ctx[:, 1:], ids.reshape(-1, 1)], axis=1)
 
 
 def _bucket(n: int) -> int:
@@ -63,6 +96,7 @@ class Qwen4ExpDecodeGraphs:
         self.context = cache.max_len if model.decode_context_free else 0
         self.graphs: dict[tuple[int, int], dict[str, Any]] = {}
         self._host: dict[int, torch.Tensor] = {}
+        self._host_np: dict[int, np.ndarray] = {}
         self._dev: dict[int, torch.Tensor] = {}
         self._copied = torch.cuda.Event()
         self.pool = torch.cuda.graph_pool_handle()
@@ -87,6 +121,7 @@ class Qwen4ExpDecodeGraphs:
         """``[3 + n_ctx, G]`` int64: token id, position, slot, then the n-gram context."""
         if G not in self._host:
             self._host[G] = torch.zeros((3 + self.n_ctx, G), dtype=torch.int64, pin_memory=True)
+            self._host_np[G] = self._host[G].numpy()  # the same memory: NumPy writes, no torch op per field
             self._dev[G] = torch.zeros((3 + self.n_ctx, G), dtype=torch.int64, device=self.device)
         return self._host[G], self._dev[G]
 
@@ -106,22 +141,16 @@ class Qwen4ExpDecodeGraphs:
             model._maybe_check_bad_rows()
         host, dev = self._buffers(G)
         self._copied.synchronize()  # the last copy out of the pinned buffer has run
-        host[:, S:] = 0
-        host[2, S:] = self.scratch
-        host[3:, S:] = cache.eos_id
-        ids = step.input_ids.reshape(-1).cpu()
-        host[0, :S] = ids
-        host[1, :S] = torch.tensor(step.past_lens, dtype=torch.int64)
-        host[2, :S] = torch.tensor(step.slots, dtype=torch.int64)
-        slots = torch.tensor(step.slots, dtype=torch.int64)
-        ctx = cache.context[slots]
-        if self.n_ctx:
-            host[3:, :S] = ctx.t()
+        ids = step.input_ids.reshape(-1)
+        ids_np = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+        ctx = fill_host(
+            self._host_np[G], ids_np, step.past_lens, step.slots, cache.context.numpy(), self.scratch, cache.eos_id
+        )
         dev.copy_(host, non_blocking=True)
         self._copied.record()
         if model.config.ple is not None:
             if self.lookup_in_graph:
-                model._advance_context(step, cache, ctx, ids)
+                advance_context(cache.context.numpy(), step.slots, ctx, ids_np)
             else:  # the host gather before the replay, into the graph's row buffers
                 for buf, got in zip(entry["rows"], model.ple_rows(step, cache)):
                     buf[:S].copy_(got)
