@@ -240,6 +240,64 @@ typedef struct EngramHcMix
 } EngramHcMix;
 ENGRAM_API int engram_hc_mix_bf16(const EngramHcMix* args, cudaStream_t stream);
 
+/* engram_gdn_gates_bf16 and engram_gated_rms_norm_bf16: a Qwen4Exp Gated DeltaNet decode
+ * step's glue around its core kernels (gdnGlueKernel.cu; the references: GatedDeltaNet.
+ * forward_decode's gates and models/qwen4_exp/norms.py GatedRMSNorm.forward), bf() rounding
+ * to bf16, float32 arithmetic in the reference's order.
+ * Gates, per token t and value head h (T tokens, heads H):
+ *   beta[t, h] = float(bf(sigmoid(b[t, h])))                       float32 [T, H] contiguous
+ *   g[t, h] = neg_decay[h] * softplus(float(a[t, h]) + float(dt_bias[h]))    float32 [T, H]
+ *   softplus(x) = x > 20 ? x : log1p(exp(x)) (torch's, beta 1, threshold 20)
+ * b and a bf16 [T, H] (rows b_stride / a_stride apart), dt_bias [H] bf16 or float32
+ * (dt_bias_float), neg_decay float32 [H] (-exp(A_log)).
+ * Norm, per token t and head h, x_h = x[t, h * dim : (h + 1) * dim] (float32 x rounded to
+ * bf16 first):
+ *   y = bf(x_h * rsqrt(sum(x_h^2) * (1 / dim) + eps))
+ *   out[t, h * dim + c] = bf(bf(weight[c] * y[c]) * act(gate[t, h * dim + c]))
+ *   act: silu (ENGRAM_GATE_ACT_SILU) or sigmoid (ENGRAM_GATE_ACT_SIGMOID), in float32
+ * x [T, H * dim] bf16 or float32 (x_float; rows x_stride apart), gate bf16 [T, H * dim] (rows
+ * gate_stride apart), weight bf16 [dim], out bf16 [T, H * dim] contiguous, apart from the
+ * inputs. The sum of squares' order is the kernel's own (the only difference from torch).
+ * Limits (both): compute capability 9.0 or later; 0 <= T <= ENGRAM_GDN_GLUE_MAX_TOKENS;
+ * 1 <= H <= ENGRAM_GDN_GLUE_MAX_HEADS. */
+#define ENGRAM_GDN_GLUE_MAX_TOKENS 16
+#define ENGRAM_GDN_GLUE_MAX_HEADS 4096
+#define ENGRAM_GATE_ACT_SILU 0
+#define ENGRAM_GATE_ACT_SIGMOID 1
+typedef struct EngramGdnGates
+{
+    const void* b;
+    const void* a;
+    const void* dt_bias;
+    const float* neg_decay;
+    float* beta;
+    float* g;
+    int64_t num_tokens;
+    int64_t b_stride;
+    int64_t a_stride;
+    int32_t heads;
+    int32_t dt_bias_float; /* 1: dt_bias float32; 0: bf16 */
+} EngramGdnGates;
+ENGRAM_API int engram_gdn_gates_bf16(const EngramGdnGates* args, cudaStream_t stream);
+
+typedef struct EngramGatedNorm
+{
+    const void* x;
+    const void* gate;
+    const void* weight;
+    void* out;
+    int64_t num_tokens;
+    int64_t x_stride;
+    int64_t gate_stride;
+    int32_t heads;
+    int32_t dim;
+    int32_t activation; /* ENGRAM_GATE_ACT_* */
+    int32_t x_float;    /* 1: x float32; 0: bf16 */
+    float eps;
+    int32_t reserved;
+} EngramGatedNorm;
+ENGRAM_API int engram_gated_rms_norm_bf16(const EngramGatedNorm* args, cudaStream_t stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -509,6 +509,132 @@ def test_hc_mix_binding_checks_shapes(plugin_lib: Path) -> None:
     _one_line(exc, "up must be a CUDA tensor (got device cpu)")
 
 
+def _gdn_gates(**change) -> decode._GdnGates:
+    base = dict(
+        b=_FAKE,
+        a=_FAKE * 2,
+        dt_bias=_FAKE * 3,
+        neg_decay=_FAKE * 4,
+        beta=_FAKE * 5,
+        g=_FAKE * 6,
+        num_tokens=2,
+        b_stride=72,
+        a_stride=72,
+        heads=32,
+        dt_bias_float=0,
+    )
+    base.update(change)
+    return decode._GdnGates(**base)
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"num_tokens": 17}, "engram_gdn_gates_bf16: num_tokens must be in [0, 16] (a decode step; got 17)"),
+        ({"num_tokens": -1}, "num_tokens must be in [0, 16] (a decode step; got -1)"),
+        ({"heads": 0}, "need 1 <= heads <= 4096 and b_stride, a_stride >= heads (got 0, 72, 72)"),
+        ({"heads": 4097, "b_stride": 5000, "a_stride": 5000}, "(got 4097, 5000, 5000)"),
+        ({"b_stride": 31}, "(got 32, 31, 72)"),
+        ({"a_stride": 30}, "(got 32, 72, 30)"),
+        ({"dt_bias_float": 2}, "dt_bias_float must be 0 (bf16) or 1 (float32) (got 2)"),
+        ({"a": None}, "b, a, dt_bias and neg_decay must be device pointers"),
+        ({"neg_decay": _FAKE * 4 + 2}, "b, a, dt_bias and neg_decay must be device pointers"),
+        ({"dt_bias": _FAKE * 3 + 2, "dt_bias_float": 1}, "b, a, dt_bias and neg_decay must be device pointers"),
+        ({"g": _FAKE * 6 + 2}, "beta and g must be float32 device pointers"),
+        ({"g": _FAKE * 5 + 128}, "beta and g must not overlap each other or b and a"),
+        ({"beta": _FAKE + 64}, "beta and g must not overlap each other or b and a"),
+    ],
+)
+def test_gdn_gates_checks_name_the_field(plugin_lib: Path, change, needle) -> None:
+    with pytest.raises(EngramError) as exc:
+        decode._call("engram_gdn_gates_bf16", ctypes.byref(_gdn_gates(**change)), None)
+    _one_line(exc, needle)
+    decode._call("engram_gdn_gates_bf16", ctypes.byref(_gdn_gates(num_tokens=0)), None)
+
+
+def _gated_norm(**change) -> decode._GatedNorm:
+    base = dict(
+        x=_FAKE,
+        gate=_FAKE * 2,
+        weight=_FAKE * 3,
+        out=_FAKE * 4,
+        num_tokens=2,
+        x_stride=4 * 128,
+        gate_stride=4 * 128 + 8,
+        heads=4,
+        dim=128,
+        activation=decode.GATE_ACTIVATIONS["silu"],
+        x_float=0,
+        eps=1e-6,
+        reserved=0,
+    )
+    base.update(change)
+    return decode._GatedNorm(**base)
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"num_tokens": 17}, "engram_gated_rms_norm_bf16: num_tokens must be in [0, 16] (a decode step; got 17)"),
+        (
+            {"heads": 0},
+            "need 1 <= heads <= 4096, dim >= 1 and x_stride, gate_stride >= heads * dim (got 0, 128, 512, 520)",
+        ),
+        ({"dim": 0}, "(got 4, 0, 512, 520)"),
+        ({"x_stride": 511}, "(got 4, 128, 511, 520)"),
+        ({"gate_stride": 500}, "(got 4, 128, 512, 500)"),
+        (
+            {"activation": 2},
+            "need activation 0 (silu) or 1 (sigmoid), x_float 0 (bf16) or 1 (float32), eps >= 0 (got 2, 0,",
+        ),
+        ({"x_float": 3}, "(got 0, 3, 1e-06)"),
+        ({"eps": -1.0}, "(got 0, 0, -1)"),
+        ({"weight": None}, "x, gate, weight and out must be device pointers"),
+        ({"x": _FAKE + 2, "x_float": 1}, "x, gate, weight and out must be device pointers"),
+        ({"out": _FAKE * 2 + 1024}, "out must not overlap x, gate or weight"),
+        ({"out": _FAKE * 3 - 64}, "out must not overlap x, gate or weight"),
+    ],
+)
+def test_gated_norm_checks_name_the_field(plugin_lib: Path, change, needle) -> None:
+    with pytest.raises(EngramError) as exc:
+        decode._call("engram_gated_rms_norm_bf16", ctypes.byref(_gated_norm(**change)), None)
+    _one_line(exc, needle)
+    decode._call("engram_gated_rms_norm_bf16", ctypes.byref(_gated_norm(num_tokens=0)), None)
+
+
+def test_gdn_glue_bindings_check_shapes(plugin_lib: Path) -> None:
+    bf, f32 = torch.bfloat16, torch.float32
+    b, nd, dt = torch.zeros(2, 4, dtype=bf), torch.zeros(4, dtype=f32), torch.zeros(4, dtype=bf)
+    for args, needle in (
+        ((b, b, dt, nd.to(bf)), "neg_decay must have dtype torch.float32"),
+        ((b, b, dt[:3], nd), "dt_bias must be [4] like neg_decay (got (3,))"),
+        ((b, b, dt.half(), nd), "dt_bias must have dtype"),
+        ((b.float(), b, dt, nd), "b must have dtype torch.bfloat16"),
+        ((b[:, :3], b, dt, nd), "b must be [tokens, >= 4] (got shape (2, 3))"),
+        ((b, torch.zeros(3, 4, dtype=bf), dt, nd), "a must have 2 rows like b (got 3)"),
+        ((torch.zeros(17, 4, dtype=bf), torch.zeros(17, 4, dtype=bf), dt, nd), "b must have 1 to 16 rows"),
+        ((torch.zeros(2, 8, dtype=bf)[:, ::2], b, dt, nd), "b must have unit stride inside a row"),
+        ((b, b, dt, nd), "b must be a CUDA tensor (got device cpu)"),
+    ):
+        with pytest.raises(EngramError) as exc:
+            decode.gdn_gates(*args)
+        _one_line(exc, needle)
+    w, x, z = torch.zeros(8, dtype=bf), torch.zeros(2, 24, dtype=f32), torch.zeros(2, 24, dtype=bf)
+    for args, kw, needle in (
+        ((x, z, w), {"activation": "gelu"}, "activation must be one of ['sigmoid', 'silu'] (got 'gelu')"),
+        ((x, z, w.float()), {}, "weight must have dtype torch.bfloat16"),
+        ((x, z, w), {"heads": 0}, "heads must be in [1, 4096] (got 0)"),
+        ((x[:, :16], z, w), {}, "x must be [tokens, >= 24] (got shape (2, 16))"),
+        ((x.double(), z, w), {}, "x must have dtype"),
+        ((x, z.float(), w), {}, "gate must have dtype torch.bfloat16"),
+        ((x, torch.zeros(1, 24, dtype=bf), w), {}, "gate must have 2 rows like x (got 1)"),
+        ((x, z, w), {}, "x must be a CUDA tensor (got device cpu)"),
+    ):
+        with pytest.raises(EngramError) as exc:
+            decode.gated_norm(*args, **{"heads": 3, "eps": 1e-6, "activation": "silu", **kw})
+        _one_line(exc, needle)
+
+
 def test_mhc_norm_entry_points_check_the_norm_arguments(plugin_lib: Path) -> None:
     from engram_trt.native import mhc
 

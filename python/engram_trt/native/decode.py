@@ -15,6 +15,9 @@ instead of the dozens of small PyTorch kernels of its reference.
 * :func:`moe_route`: a router's top-k / hash picks and weights from its logits.
 * :func:`moe_experts`: the routed experts of a decode step plus the shared expert, bf16,
   in two launches, combined in the reference's order.
+* :func:`hc_mix`, :func:`gdn_gates`, :func:`gated_norm`: Qwen4Exp's hyper-connection mix
+  and a Gated DeltaNet layer's gates and gated output norm, one launch each
+  (``hcMixKernel.cu``, ``gdnGlueKernel.cu``).
 
 The functions check dtypes, shapes and devices (an EngramError names the bad argument),
 then the library checks the rest; work is enqueued on the current CUDA stream. They read
@@ -51,6 +54,9 @@ MOE_MAX_TOP_K = 16  # ENGRAM_MOE_MAX_TOP_K
 MOE_MAX_TOKENS = 16  # ENGRAM_MOE_DECODE_MAX_TOKENS
 HC_MIX_MAX_TOKENS = 16  # ENGRAM_HC_MIX_MAX_TOKENS
 HC_MIX_MAX_ELEMENTS = 12288  # ENGRAM_HC_MIX_MAX_ELEMENTS: tokens x rank
+GDN_GLUE_MAX_TOKENS = 16  # ENGRAM_GDN_GLUE_MAX_TOKENS: gdn_gates / gated_norm
+GDN_GLUE_MAX_HEADS = 4096  # ENGRAM_GDN_GLUE_MAX_HEADS
+GATE_ACTIVATIONS = {"silu": 0, "sigmoid": 1}  # ENGRAM_GATE_ACT_*
 MIN_CAPABILITY = 9  # the GEMV and the experts' products are built for sm_90+ (as engram_gemv_bf16)
 NORM_NONE, NORM_WEIGHTED, NORM_UNWEIGHTED = 0, 1, 2  # EngramNormKind
 SCORE_FNS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2, "softmax_topk": 3}  # EngramMoeScore
@@ -154,6 +160,40 @@ class _HcMix(ctypes.Structure):
     ]
 
 
+class _GdnGates(ctypes.Structure):
+    _fields_ = [
+        ("b", ctypes.c_void_p),
+        ("a", ctypes.c_void_p),
+        ("dt_bias", ctypes.c_void_p),
+        ("neg_decay", ctypes.c_void_p),
+        ("beta", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int64),
+        ("b_stride", ctypes.c_int64),
+        ("a_stride", ctypes.c_int64),
+        ("heads", ctypes.c_int32),
+        ("dt_bias_float", ctypes.c_int32),
+    ]
+
+
+class _GatedNorm(ctypes.Structure):
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("gate", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int64),
+        ("x_stride", ctypes.c_int64),
+        ("gate_stride", ctypes.c_int64),
+        ("heads", ctypes.c_int32),
+        ("dim", ctypes.c_int32),
+        ("activation", ctypes.c_int32),
+        ("x_float", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
 _i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ENTRY = EntryPoints(
     {
@@ -171,6 +211,8 @@ _ENTRY = EntryPoints(
         "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
         "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
         "engram_hc_mix_bf16": [ctypes.POINTER(_HcMix), _vp],
+        "engram_gdn_gates_bf16": [ctypes.POINTER(_GdnGates), _vp],
+        "engram_gated_rms_norm_bf16": [ctypes.POINTER(_GatedNorm), _vp],
     }
 )
 library = _ENTRY.library
@@ -649,7 +691,103 @@ def hc_mix(down_out: Any, up: Any, normed: Any, inject_logits: Any, *, hc: int) 
     return mixed, inject
 
 
+def _glue_rows(name: str, t: Any, dtypes: tuple, width: int) -> tuple[int, int]:
+    """``(rows, row stride)`` of a decode step's ``[T, >= width]`` operand of the Gated
+    DeltaNet glue: 1 to ``GDN_GLUE_MAX_TOKENS`` rows, unit stride inside a row."""
+    check_dtype(name, t, dtypes)
+    if t.dim() != 2 or t.shape[1] < width or (t.shape[0] > 1 and t.stride(0) < width):
+        raise EngramError(f"{name} must be [tokens, >= {width}] (got shape {tuple(t.shape)})")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise EngramError(f"{name} must have unit stride inside a row (got strides {t.stride()})")
+    rows = int(t.shape[0])
+    if not 1 <= rows <= GDN_GLUE_MAX_TOKENS:
+        raise EngramError(f"{name} must have 1 to {GDN_GLUE_MAX_TOKENS} rows, a decode step (got {rows})")
+    return rows, int(t.stride(0)) if rows > 1 else max(int(t.stride(0)), width)
+
+
+def gdn_gates(b: Any, a: Any, dt_bias: Any, neg_decay: Any) -> tuple[Any, Any]:
+    """``(beta, g)`` float32 ``[T, H]`` (engram_gdn_gates_bf16): a Gated DeltaNet decode
+    step's gates from its bf16 projections ``b`` and ``a`` ``[T, H]`` (rows may be strided),
+    ``dt_bias [H]`` (bf16 or float32) and ``neg_decay [H]`` float32 (``-exp(A_log)``):
+    ``beta = sigmoid(b).float()``, ``g = neg_decay * softplus(a.float() + dt_bias.float())``
+    with torch's roundings (decodeKernels.h)."""
+    torch = torch_module()
+    check("neg_decay", neg_decay, (torch.float32,), 1, where="any")
+    H = int(neg_decay.shape[0])
+    if not 1 <= H <= GDN_GLUE_MAX_HEADS:
+        raise EngramError(f"neg_decay must have 1 to {GDN_GLUE_MAX_HEADS} heads (got {H})")
+    check("dt_bias", dt_bias, (torch.bfloat16, torch.float32), 1, where="any")
+    if int(dt_bias.shape[0]) != H:
+        raise EngramError(f"dt_bias must be [{H}] like neg_decay (got {tuple(dt_bias.shape)})")
+    T, bs = _glue_rows("b", b, (torch.bfloat16,), H)
+    rows, as_ = _glue_rows("a", a, (torch.bfloat16,), H)
+    if rows != T:
+        raise EngramError(f"a must have {T} rows like b (got {rows})")
+    _on_device(b.device, b=b, a=a, dt_bias=dt_bias, neg_decay=neg_decay)
+    beta = torch.empty((T, H), dtype=torch.float32, device=b.device)
+    g = torch.empty((T, H), dtype=torch.float32, device=b.device)
+    args = _GdnGates(
+        ptr(b),
+        ptr(a),
+        ptr(dt_bias),
+        ptr(neg_decay),
+        ptr(beta),
+        ptr(g),
+        T,
+        bs,
+        as_,
+        H,
+        int(dt_bias.dtype == torch.float32),
+    )
+    with device_guard(b.device.index):
+        _call("engram_gdn_gates_bf16", ctypes.byref(args), stream_of(b.device))
+    return beta, g
+
+
+def gated_norm(x: Any, gate: Any, weight: Any, *, heads: int, eps: float, activation: str) -> Any:
+    """bf16 ``[T, heads * dim]`` (engram_gated_rms_norm_bf16): a Gated DeltaNet decode step's
+    output norm (``GatedRMSNorm.forward`` on ``x.to(bf16)`` and ``gate`` viewed as ``[T *
+    heads, dim]``) from ``x [T, heads * dim]`` (bf16 or float32), ``gate`` bf16 ``[T, heads *
+    dim]`` (rows of both may be strided), ``weight`` bf16 ``[dim]``; ``activation`` "silu" or
+    "sigmoid" (the gate's)."""
+    torch = torch_module()
+    if activation not in GATE_ACTIVATIONS:
+        raise EngramError(f"activation must be one of {sorted(GATE_ACTIVATIONS)} (got {activation!r})")
+    check("weight", weight, (torch.bfloat16,), 1, where="any")
+    dim = int(weight.shape[0])
+    if not 1 <= heads <= GDN_GLUE_MAX_HEADS:
+        raise EngramError(f"heads must be in [1, {GDN_GLUE_MAX_HEADS}] (got {heads})")
+    width = heads * dim
+    T, xs = _glue_rows("x", x, (torch.bfloat16, torch.float32), width)
+    rows, gs = _glue_rows("gate", gate, (torch.bfloat16,), width)
+    if rows != T:
+        raise EngramError(f"gate must have {T} rows like x (got {rows})")
+    _on_device(weight.device, x=x, gate=gate, weight=weight)
+    out = torch.empty((T, width), dtype=torch.bfloat16, device=weight.device)
+    args = _GatedNorm(
+        ptr(x),
+        ptr(gate),
+        ptr(weight),
+        ptr(out),
+        T,
+        xs,
+        gs,
+        int(heads),
+        dim,
+        GATE_ACTIVATIONS[activation],
+        int(x.dtype == torch.float32),
+        float(eps),
+        0,
+    )
+    with device_guard(weight.device.index):
+        _call("engram_gated_rms_norm_bf16", ctypes.byref(args), stream_of(weight.device))
+    return out
+
+
 __all__ = [
+    "GATE_ACTIVATIONS",
+    "GDN_GLUE_MAX_HEADS",
+    "GDN_GLUE_MAX_TOKENS",
     "GEMV_EX_MAX_TOKENS",
     "GEMV_MAX_TOKENS",
     "GemvPrologue",
@@ -664,6 +802,8 @@ __all__ = [
     "NormRopeJob",
     "SCORE_FNS",
     "gemv_fits",
+    "gated_norm",
+    "gdn_gates",
     "gemv_segments",
     "hc_mix",
     "moe_experts",
