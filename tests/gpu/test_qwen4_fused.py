@@ -23,7 +23,14 @@ against the PyTorch forms each kernel replaces, on the same GPU:
 5. The tiny Qwen4Exp checkpoint (tests/data/qwen4_exp_tiny) in bf16: decode steps on the
    fused glue against the float32 model, at most 2x the unfused bf16 steps' distance +
    1e-3 (``ENGRAM_TRT_QWEN4_FUSED=0`` gives the unfused one), and every layer's MoE took
-   the fused kernels.
+   the fused kernels, every Gated DeltaNet layer's gates and output norm too.
+6. ``gdn_gates`` against the PyTorch ops it replaces (strided rows, bf16 / float32
+   dt_bias, softplus' threshold branch): beta bit for bit, g within 8 eps32 |g| (each side
+   2 + 1 ulp of expf / log1pf and the multiply's half ulp, gdnGlueKernel.cu); and
+   ``gated_norm`` against GatedRMSNorm.forward (silu / sigmoid gates, bf16 / float32 core):
+   the sum of squares' order differs, so each side is within the product of its
+   roundings' relative errors of the float64 value (derived in the test) and the two
+   within twice that; Hv 32 x dv 128 (the bench shape) and 3 x 37, T 1 / 3 / 8.
 """
 
 from __future__ import annotations
@@ -344,15 +351,26 @@ def test_fused_model_decode_within_round_off() -> None:
             for li in range(len(cfg.ple.layers))
         ]
     )
-    calls = {"fused": 0}
-    real = fused.moe
+    calls = {"fused": 0, "gdn_gates": 0, "gated_norm": 0}
+    real, real_gates, real_norm = fused.moe, fused.gdn_gates, fused.gated_norm
 
     def counted(mlp, x):
         out = real(mlp, x)
         calls["fused"] += out is not None
         return out
 
-    fused.moe = counted
+    def counted_gates(*a):
+        out = real_gates(*a)
+        calls["gdn_gates"] += out is not None
+        return out
+
+    def counted_norm(*a):
+        out = real_norm(*a)
+        calls["gated_norm"] += out is not None
+        return out
+
+    fused.moe, fused.gdn_gates, fused.gated_norm = counted, counted_gates, counted_norm
+    n_linear = sum(kind == "linear_attention" for kind in cfg.layer_types)
     try:
         gen = torch.Generator().manual_seed(5)
         prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 10)]
@@ -369,11 +387,16 @@ def test_fused_model_decode_within_round_off() -> None:
             ids = torch.tensor([toks[i] for i in slots])
             mk = lambda: PackedStep(ids, [1] * len(slots), [lens[i] for i in slots], slots)  # noqa: E731
             want = ref.forward_step(mk(), states["fp32"]).cpu()
-            before = calls["fused"]
+            before = dict(calls)
             with _fused(True):
                 f = model.forward_step(mk(), states["fused"]).float().cpu()
-            if calls["fused"] - before != cfg.num_hidden_layers:
-                bad.append(f"step {s}: {calls['fused'] - before} fused MoE calls, {cfg.num_hidden_layers} layers")
+            if calls["fused"] - before["fused"] != cfg.num_hidden_layers:
+                bad.append(
+                    f"step {s}: {calls['fused'] - before['fused']} fused MoE calls, {cfg.num_hidden_layers} layers"
+                )
+            for key in ("gdn_gates", "gated_norm"):
+                if calls[key] - before[key] != n_linear:
+                    bad.append(f"step {s}: {calls[key] - before[key]} fused {key} calls, {n_linear} GDN layers")
             with _fused(False):
                 p = model.forward_step(mk(), states["plain"]).float().cpu()
             fes.append(rel_err(f, want))
@@ -384,7 +407,7 @@ def test_fused_model_decode_within_round_off() -> None:
                 toks[i] = t
                 lens[i] += 1
     finally:
-        fused.moe = real
+        fused.moe, fused.gdn_gates, fused.gated_norm = real, real_gates, real_norm
         ck32.close()
         ck16.close()
     fm, pm = float(np.median(fes)), float(np.median(pes))
@@ -395,3 +418,116 @@ def test_fused_model_decode_within_round_off() -> None:
         f"{fm:.2e} vs unfused {pm:.2e}; per step fused {[f'{e:.1e}' for e in fes]} unfused "
         f"{[f'{e:.1e}' for e in pes]}; {'; '.join(bad[:4])}"
     )
+
+
+# --- 6. the Gated DeltaNet glue: gates and the gated output norm --------------------------------------
+
+U32 = 2.0**-24  # float32 unit round-off
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("H", [32, 3])
+@pytest.mark.parametrize("bias_dtype", ["bfloat16", "float32"])
+def test_gdn_gates_equal_the_torch_ops(rng, T, H, bias_dtype) -> None:
+    """beta = sigmoid(b).float() bit for bit; g = -exp(A_log) * softplus(a.float() +
+    dt_bias.float()) within 2 x (2 + 1 + 0.5) eps32 |g| < 8 eps32 |g| (expf's 2 ulp and
+    log1pf's 1 ulp on each side, the multiply's rounding; gdnGlueKernel.cu), b and a
+    strided column slices of one projection output as fused.project gives them."""
+    import torch
+    import torch.nn.functional as F
+
+    from engram_trt.native import decode
+
+    proj = cuda_normal(rng, (T, 2 * H + 5), 3.0, "bfloat16")
+    b, a = proj[:, 1 : H + 1], proj[:, H + 3 : 2 * H + 3]
+    a[0, 0] = 24.0  # softplus' threshold branch (x > 20: x itself)
+    dt_bias = cuda_normal(rng, (H,), 1.0, bias_dtype)
+    neg_decay = -cuda_normal(rng, (H,), 1.0).exp()
+    with torch.no_grad():
+        want_beta = torch.sigmoid(b).float()
+        want_g = neg_decay * F.softplus(a.float() + dt_bias.float())
+        beta, g = decode.gdn_gates(b, a, dt_bias, neg_decay)
+    torch.cuda.synchronize()
+    note(f"gdn_gates_g_bit_exact_{T}_{H}_{bias_dtype}", bool(torch.equal(g, want_g)))
+    assert torch.equal(beta, want_beta), f"beta bit for bit: {(beta - want_beta).abs().max()}"
+    over = excess(g, want_g, 8 * EPS32 * want_g.double().abs())
+    assert over <= 0, f"g over 8 eps32 |g| by {over:.3g}"
+    assert float(g[0, 0]) == float(want_g[0, 0]), "the threshold branch's bits"
+
+
+def _gated_norm_bound(v, w, z, eps: float, activation: str):
+    """The float64 value of GatedRMSNorm on bf16 values ``v [T, H, dim]`` (the core
+    rounded), weight ``w`` and gate ``z``, and one side's error bound: its relative errors
+    chained, (1 + dy)(1 + U)^3 (1 + 7 u32) - 1, dy = ((dim + 2) / 2 + 5) u32 the float32
+    sum of squares in any order ((dim - 1) u32), times 1 / dim and + eps (u32 each), halved
+    by the rsqrt, rsqrtf's 2 ulp and the product's rounding; U each of the three bf16
+    roundings (y, w * y, the output); 7 u32 the activation's expf (2 ulp), add and divide
+    and the float32 product with it."""
+    import torch
+
+    dim = v.shape[-1]
+    vd, wd, zd = v.double(), w.double(), z.double()
+    r = torch.rsqrt((vd * vd).sum(-1, keepdim=True) / dim + eps)
+    act = zd * torch.sigmoid(zd) if activation == "silu" else torch.sigmoid(zd)
+    exact = wd * vd * r * act
+    dy = ((dim + 2) / 2 + 5) * U32
+    rel = (1 + dy) * (1 + U) ** 3 * (1 + 7 * U32) - 1
+    return exact, rel * exact.abs()
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("H,dim", [(32, 128), (3, 37)])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float32"])
+def test_gated_norm_equals_the_module(rng, T, H, dim, activation, x_dtype) -> None:
+    """gated_norm against GatedRMSNorm.forward on the core's output (``core.to(bf16)``) and
+    a strided gate: each within _gated_norm_bound of the float64 value, so within twice it
+    of each other (the sum of squares' order is the only operation done differently)."""
+    import torch
+
+    from engram_trt.models.qwen4_exp.norms import GatedRMSNorm
+    from engram_trt.native import decode
+
+    norm = GatedRMSNorm(dim, 1e-6, activation)
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy((rng.standard_normal(dim) * 0.5 + 1).astype(np.float32)))
+    norm = norm.to("cuda", torch.bfloat16)
+    core = cuda_normal(rng, (T, H, dim), 1.5, x_dtype)
+    z = cuda_normal(rng, (T, H * dim + 6), 2.0, "bfloat16")[:, 3 : 3 + H * dim]
+    with torch.no_grad():
+        want = norm(core.to(torch.bfloat16).reshape(-1, dim), z.reshape(-1, dim)).reshape(T, H * dim)
+        got = decode.gated_norm(core.reshape(T, H * dim), z, norm.weight, heads=H, eps=1e-6, activation=activation)
+    torch.cuda.synchronize()
+    v = core.to(torch.bfloat16).float().cpu()
+    exact, bound = _gated_norm_bound(v, norm.weight.float().cpu(), z.float().cpu().view(T, H, dim), 1e-6, activation)
+    exact, bound = exact.reshape(T, H * dim), bound.reshape(T, H * dim)
+    tag = f"T {T} H {H} dim {dim} {activation} {x_dtype}"
+    note(f"gated_norm_bit_exact_{T}_{H}_{dim}_{activation}_{x_dtype}", bool(torch.equal(got, want)))
+    assert excess(want, exact, bound) <= 0, f"{tag}: the module itself outside the derived bound"
+    over = excess(got, exact, bound)
+    assert over <= 0, f"{tag}: the kernel over the float64 bound by {over:.3g}"
+    over = excess(got, want, 2 * bound)
+    assert over <= 0, f"{tag}: kernel vs module over twice the bound by {over:.3g}"
+
+
+def test_fused_gdn_glue_serves_bf16_and_steps_aside(rng) -> None:
+    """fused.gdn_gates / fused.gated_norm take a bf16 decode step on this GPU (the layer's
+    own gates and norm: the values of the two tests above) and give way under
+    ENGRAM_TRT_QWEN4_FUSED=0 and above 16 tokens."""
+    import torch
+
+    from engram_trt.models.qwen4_exp import fused
+    from engram_trt.models.qwen4_exp.norms import GatedRMSNorm
+
+    b, a = cuda_normal(rng, (2, 32), 1.0, "bfloat16"), cuda_normal(rng, (2, 32), 1.0, "bfloat16")
+    dt_bias, neg_decay = cuda_normal(rng, (32,), 1.0, "bfloat16"), -cuda_normal(rng, (32,), 1.0).exp()
+    norm = GatedRMSNorm(128, 1e-6, "silu").to("cuda", torch.bfloat16)
+    core, z = cuda_normal(rng, (2, 32, 128), 1.0, "bfloat16"), cuda_normal(rng, (2, 32 * 128), 1.0, "bfloat16")
+    with torch.no_grad():
+        assert fused.gdn_gates(b, a, dt_bias, neg_decay) is not None, fused.unavailable(b)
+        assert fused.gated_norm(norm, core, z, 32) is not None, fused.unavailable(z)
+        big = cuda_normal(rng, (17, 32), 1.0, "bfloat16")
+        assert fused.gdn_gates(big, big, dt_bias, neg_decay) is None
+        with _fused(False):
+            assert fused.gdn_gates(b, a, dt_bias, neg_decay) is None
+            assert fused.gated_norm(norm, core, z, 32) is None

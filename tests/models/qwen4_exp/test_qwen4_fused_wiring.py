@@ -47,6 +47,27 @@ def _moe_experts(x, ids, weights, gate, up, down, *, shared, limit, shared_scale
     return out + y * torch.sigmoid(shared_scale)
 
 
+def _gdn_gates(b, a, dt_bias, neg_decay):
+    """engram_gdn_gates_bf16's contract: beta = bf(sigmoid(b)) as float32 (bf: the
+    activations' dtype), g = neg_decay * softplus(float(a) + float(dt_bias)) with torch's
+    threshold-20 rule spelled out."""
+    beta = torch.sigmoid(b.float()).to(b.dtype).float()
+    x = a.float() + dt_bias.float()
+    return beta, neg_decay * torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
+def _gated_norm(x, gate, weight, *, heads, eps, activation):
+    """engram_gated_rms_norm_bf16's contract: per (token, head) row v = float(bf(x)),
+    y = bf(v * rsqrt(sum(v^2) * (1 / dim) + eps)), out = bf(bf(w * y) * act(float(gate)))."""
+    T, dim, dt = gate.shape[0], weight.shape[0], gate.dtype
+    v = x.to(dt).float().reshape(T, heads, dim)
+    y = (v * torch.rsqrt((v * v).sum(-1, keepdim=True) * (1.0 / dim) + eps)).to(dt)
+    o = (weight.float() * y.float()).to(dt)
+    z = gate.float().reshape(T, heads, dim)
+    act = z / (1 + torch.exp(-z)) if activation == "silu" else 1 / (1 + torch.exp(-z))
+    return (o.float() * act).to(dt).reshape(T, heads * dim)
+
+
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     from engram_trt.models.qwen4_exp import fused
@@ -66,6 +87,8 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     monkeypatch.setattr(decode, "gemv_segments", counted("gemv_segments", _gemv_segments))
     monkeypatch.setattr(decode, "moe_route", counted("moe_route", _moe_route))
     monkeypatch.setattr(decode, "moe_experts", counted("moe_experts", _moe_experts))
+    monkeypatch.setattr(decode, "gdn_gates", counted("gdn_gates", _gdn_gates))
+    monkeypatch.setattr(decode, "gated_norm", counted("gated_norm", _gated_norm))
     return calls
 
 
@@ -152,8 +175,8 @@ def test_fused_mix_equals_the_module(monkeypatch, emulated, inject, T) -> None:
 
 def test_gated_delta_net_decode_projects_in_two_launches(emulated) -> None:
     """GatedDeltaNet.forward_decode with the fused projections (four input projections in
-    one launch, the output projection in another) equals its module path on the same
-    states, and leaves the same states."""
+    one launch, the output projection in another), gates (one launch) and output norm (one
+    launch) equals its module path on the same states, and leaves the same states."""
     from engram_trt.models.qwen4_exp import fused
     from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
 
@@ -172,7 +195,7 @@ def test_gated_delta_net_decode_projects_in_two_launches(emulated) -> None:
     conv_b, rec_b = conv_a.clone(), rec_a.clone()
     with torch.no_grad():
         got = ours.forward_decode(x, slots, conv_a, rec_a)
-    assert emulated == {"gemv_segments": 2}, emulated
+    assert emulated == {"gemv_segments": 2, "gdn_gates": 1, "gated_norm": 1}, emulated
     real = fused.unavailable
     try:
         fused.unavailable = lambda x: "off"
@@ -184,6 +207,65 @@ def test_gated_delta_net_decode_projects_in_two_launches(emulated) -> None:
     assert torch.equal(conv_a, conv_b)
     torch.testing.assert_close(rec_a, rec_b, rtol=1e-5, atol=1e-6)
     assert isinstance(ours, GatedDeltaNet)
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("T,H,dim", [(1, 4, 128), (3, 3, 37), (8, 2, 16)])
+def test_gdn_glue_contracts_equal_the_modules_in_bf16(activation, T, H, dim) -> None:
+    """The two kernels' contracts (the emulations above) on bf16 operands give the module
+    forms they replace: beta's bits, g within the exp / log1p codes' ulps, the norm's bits where
+    1 / dim is exact and torch's mean is that same sum, else within one bf16 ulp of the
+    mean's sum / dim against sum * (1 / dim); strided rows as the projections give them."""
+    from engram_trt.models.qwen4_exp.norms import GatedRMSNorm
+
+    torch.manual_seed(T * 100 + dim)
+    bf = torch.bfloat16
+    proj = (torch.randn(T, 2 * H + 3) * 4).to(bf)  # b and a as slices of one wider output
+    b, a = proj[:, 1 : H + 1], proj[:, H + 2 : 2 * H + 2]
+    a[0, 0] = 22.0  # softplus' threshold branch
+    dt_bias, neg_decay = torch.randn(H).to(bf), -torch.rand(H).exp()
+    beta, g = _gdn_gates(b, a, dt_bias, neg_decay)
+    assert torch.equal(beta, torch.sigmoid(b).float())
+    x = a.float() + dt_bias.float()
+    ref = neg_decay * F.softplus(x)
+    assert float(g[0, 0]) == float(ref[0, 0]) == float(neg_decay[0] * x[0, 0]), "x > 20: x itself"
+    # the CPU's softplus kernel and torch.exp / torch.log1p are other exp / log1p codes:
+    # each within 2 + 1 ulp of the exact softplus, then the multiply (gdnGlueKernel.cu)
+    assert bool(((g - ref).abs() <= 8 * 2.0**-23 * ref.abs()).all()), (g - ref).abs().max()
+    norm = GatedRMSNorm(dim, 1e-6, activation)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim) * 0.5 + 1)
+    norm = norm.to(bf)
+    core = torch.randn(T, H, dim) * 2  # float32, as the PyTorch core returns it
+    z = (torch.randn(T, H * dim + 8) * 2).to(bf)[:, 4 : 4 + H * dim]
+    with torch.no_grad():
+        want = norm(core.to(bf).reshape(-1, dim), z.reshape(-1, dim)).reshape(T, H * dim)
+    got = _gated_norm(core.reshape(T, H * dim), z, norm.weight.detach(), heads=H, eps=1e-6, activation=activation)
+    if dim & (dim - 1) == 0:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+
+
+def test_gdn_glue_steps_aside_where_the_kernels_do_not_serve(emulated) -> None:
+    from engram_trt.models.qwen4_exp import fused
+    from engram_trt.models.qwen4_exp.norms import GatedRMSNorm
+
+    H, dim = 4, 16
+    dt_bias, neg_decay = torch.randn(H), -torch.rand(H).exp()
+    assert fused.gdn_gates(torch.randn(17, H), torch.randn(17, H), dt_bias, neg_decay) is None, "17 tokens"
+    assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H).double(), dt_bias, neg_decay) is None, "dtypes"
+    assert fused.gdn_gates(torch.randn(H, 2).t(), torch.randn(2, H), dt_bias, neg_decay) is None, "column stride"
+    assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias[:3], neg_decay[:3]) is None, "3 biases"
+    norm = GatedRMSNorm(dim, 1e-6, "silu")
+    core, z = torch.randn(2, H, dim), torch.randn(2, H * dim)
+    assert fused.gated_norm(norm, torch.randn(17, H, dim), torch.randn(17, H * dim), H) is None, "17 tokens"
+    assert fused.gated_norm(norm.to(torch.float64), core, z, H) is None, "a weight of another dtype"
+    assert fused.gated_norm(norm.float(), core, z, H + 1) is None, "the gate's width is not heads * dim"
+    assert emulated == {}, f"no kernel called where the glue steps aside: {emulated}"
+    assert fused.gated_norm(norm.float(), core, z, H) is not None
+    assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias, neg_decay) is not None
+    assert emulated == {"gated_norm": 1, "gdn_gates": 1}, emulated
 
 
 def test_qsa_decode_projects_in_two_launches(emulated) -> None:

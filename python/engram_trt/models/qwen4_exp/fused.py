@@ -22,10 +22,18 @@ weight-read floor (issue 41: the MoE 120 us a layer, a mix 43 us).
 * Projections (:func:`project`): the bias-free bf16 linears of one input in one GEMV launch
   (a Gated DeltaNet layer's four input projections, its output projection).
 
+* Gated DeltaNet gates and output norm (:func:`gdn_gates`, :func:`gated_norm`): ``beta =
+  sigmoid(b).float()`` and ``g = -exp(A_log) * softplus(a.float() + dt_bias.float())`` in
+  ONE launch (``gdn_gates``) where the PyTorch ops take about seven, and the gated RMSNorm
+  of the core's output (:class:`~.norms.GatedRMSNorm`) in ONE launch (``gated_norm``)
+  where they take about twelve; both with the module's float32 ops and bf16 roundings
+  (decodeKernels.h; the norm's sum of squares in its own order).
+
 Served: bf16 activations and weights (plain ``nn.Linear`` and the stacked experts) of 1 to
-``GEMV_EX_MAX_TOKENS`` tokens on a GPU of compute capability 9.0+, all experts on this
-rank. Otherwise (a prefill chunk, FP8 experts, a tensor-parallel rank, float32 models,
-CPUs, ``ENGRAM_TRT_QWEN4_FUSED=0``: the A/B switch) the module's own forms run.
+``GEMV_EX_MAX_TOKENS`` tokens (the Gated DeltaNet gates and norm: ``GDN_GLUE_MAX_TOKENS``,
+16) on a GPU of compute capability 9.0+, all experts on this rank. Otherwise (a prefill
+chunk, FP8 experts, a tensor-parallel rank, float32 models, CPUs,
+``ENGRAM_TRT_QWEN4_FUSED=0``: the A/B switch) the module's own forms run.
 """
 
 from __future__ import annotations
@@ -63,6 +71,58 @@ def project(x: Tensor, mods: list[Any]) -> list[Tensor] | None:
     outs = [torch.empty((x.shape[0], m.weight.shape[0]), dtype=x.dtype, device=x.device) for m in mods]
     decode.gemv_segments([(x, m.weight, o) for m, o in zip(mods, outs)])
     return outs
+
+
+def gdn_gates(b: Tensor, a: Tensor, dt_bias: Tensor, neg_decay: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(beta, g)`` float32 ``[T, Hv]`` of a Gated DeltaNet decode step (``sigmoid(b).float()``,
+    ``neg_decay * softplus(a.float() + dt_bias.float())``) in one launch, or None where the
+    kernel does not serve them (the caller runs the PyTorch ops)."""
+    if unavailable(b) is not None or b.dim() != 2 or a.dim() != 2 or a.dtype != b.dtype:
+        return None
+    from engram_trt.native import decode
+
+    T, H = int(b.shape[0]), int(b.shape[1])
+    if not 1 <= T <= decode.GDN_GLUE_MAX_TOKENS or H > decode.GDN_GLUE_MAX_HEADS or tuple(a.shape) != (T, H):
+        return None
+    if b.stride(1) != 1 or a.stride(1) != 1 or dt_bias.dtype not in (b.dtype, torch.float32):
+        return None
+    if neg_decay.dtype != torch.float32 or neg_decay.device != b.device or dt_bias.device != b.device:
+        return None
+    if not (dt_bias.is_contiguous() and neg_decay.is_contiguous()):
+        return None
+    if tuple(dt_bias.shape) != (H,) or tuple(neg_decay.shape) != (H,):
+        return None
+    return decode.gdn_gates(b, a, dt_bias, neg_decay)
+
+
+def gated_norm(norm: Any, x: Tensor, gate: Tensor, heads: int) -> Tensor | None:
+    """``norm(x.to(gate.dtype).reshape(-1, dim), gate.reshape(-1, dim))`` reshaped to ``[T,
+    heads * dim]`` (a :class:`~.norms.GatedRMSNorm`, ``x`` the core's ``[T, heads, dim]`` in
+    bf16 or float32, ``gate [T, heads * dim]``) in one launch, or None where the kernel does
+    not serve it (the caller runs the module)."""
+    if unavailable(gate) is not None or gate.dim() != 2 or gate.stride(1) != 1:
+        return None
+    from engram_trt.native import decode
+
+    T, dim = int(gate.shape[0]), int(norm.weight.shape[0])
+    weight = norm.weight
+    if (
+        not 1 <= T <= decode.GDN_GLUE_MAX_TOKENS
+        or not 1 <= heads <= decode.GDN_GLUE_MAX_HEADS
+        or norm.activation not in decode.GATE_ACTIVATIONS
+        or weight.dtype != gate.dtype
+        or not weight.is_contiguous()
+        or weight.device != gate.device
+        or x.dtype not in (gate.dtype, torch.float32)
+        or x.device != gate.device
+        or x.numel() != T * heads * dim
+        or int(gate.shape[1]) != heads * dim
+    ):
+        return None
+    rows = x.reshape(T, heads * dim)
+    if rows.stride(1) != 1:
+        return None
+    return decode.gated_norm(rows, gate, weight, heads=heads, eps=norm.eps, activation=norm.activation)
 
 
 def moe(mlp: Any, x: Tensor) -> Tensor | None:
@@ -147,4 +207,4 @@ def mix(conn: Any, streams: Tensor) -> tuple[Tensor, Tensor | None] | None:
     return decode.hc_mix(z, up.weight, normed, logits, hc=hc)
 
 
-__all__ = ["FUSED_ENV", "mix", "moe", "project", "unavailable"]
+__all__ = ["FUSED_ENV", "gated_norm", "gdn_gates", "mix", "moe", "project", "unavailable"]

@@ -336,6 +336,7 @@ class GatedDeltaNet(nn.Module):
         )
         T = cols.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # contiguous copies: the binding takes contiguous q, k, v only (native.library.check)
         q, k = (t.reshape(T, self.num_k_heads, self.head_k_dim).contiguous() for t in (q, k))
         v = v.reshape(T, self.num_v_heads, self.head_v_dim).contiguous()
         return native_linear.gated_delta_net(
@@ -403,7 +404,9 @@ class GatedDeltaNet(nn.Module):
         lists, no host syncs: the step the decode CUDA graphs record. Equal to
         :meth:`forward` on such a step (its decode branch is this very code). A bf16 step on a
         GPU takes the four input projections in one GEMV launch and the output projection in
-        another (:func:`.fused.project`) where the kernel library serves them. ``meta``: the
+        another (:func:`.fused.project`), the gates in one (:func:`.fused.gdn_gates`) and the
+        gated output norm in one (:func:`.fused.gated_norm`) where the kernel library serves
+        them. ``meta``: the
         step's int32 ``[seq_starts (B+1) = 0..B, past_lens (B), slots (B)]`` on the device when
         the caller has it (``Qwen4ExpModel.decode_views``: one for every layer of the step; the
         kernels read a past length only as > 0), else it is made here."""
@@ -413,8 +416,10 @@ class GatedDeltaNet(nn.Module):
         if projected is None:
             projected = [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
         cols, z, b, a = projected
-        beta = torch.sigmoid(b).float()
-        g = self._neg_decay() * F.softplus(a.float() + self.dt_bias.float())
+        gates = fused.gdn_gates(b, a, self.dt_bias, self._neg_decay())
+        if gates is None:
+            gates = torch.sigmoid(b).float(), self._neg_decay() * F.softplus(a.float() + self.dt_bias.float())
+        beta, g = gates
         if self._kernel_serves(x, conv_state, recurrent_state):
             # Sequence j is token j with a past (its length only needs to be > 0), in slot
             # slot_ids[j]: the step's metadata built on the device, so the graphs record it.
@@ -427,8 +432,10 @@ class GatedDeltaNet(nn.Module):
             core = self._core_kernels(cols, g, beta, meta, B, conv_state, recurrent_state)
         else:
             core = self._recurrent(cols, g, beta, slot_ids, conv_state, recurrent_state)
-        normed = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        normed = normed.reshape(x.shape[0], self.value_dim)
+        normed = fused.gated_norm(self.norm, core, z, self.num_v_heads)
+        if normed is None:
+            normed = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+            normed = normed.reshape(x.shape[0], self.value_dim)
         out = fused.project(normed, [self.out_proj])
         return self.out_proj(normed) if out is None else out[0]
 

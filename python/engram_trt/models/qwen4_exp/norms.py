@@ -12,6 +12,8 @@ On a GPU of compute capability 9.0+, bf16 activations take :class:`OffsetRMSNorm
 launch (the kernel library's ``engram_norm_rope``, :mod:`engram_trt.native.decode`: the
 same float32 products, ``(x * rsqrt(mean(x^2) + eps)) * (1 + w)`` rounded once, a weight
 per group) where the PyTorch form takes about nine; ``1 + w`` is made once per weight.
+A Gated DeltaNet decode step takes :class:`GatedRMSNorm` in one launch the same way
+(:func:`.fused.gated_norm`, the kernel library's ``engram_gated_rms_norm_bf16``).
 ``ENGRAM_TRT_QWEN4_FUSED=0`` keeps the PyTorch form (an A/B switch for timing).
 """
 
