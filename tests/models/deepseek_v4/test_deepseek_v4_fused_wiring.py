@@ -310,3 +310,70 @@ def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix
     assert calls["norm_rope"] == (3 + 7) * n and calls["core"] == 8 * n
     assert calls["prologue_norm"] == 7 * n and calls["prologue_rope"] == 7 * n
     assert calls["moe_route"] == 7 * n and calls["moe_experts"] == 7 * n  # decode steps only (1-3 tokens)
+
+
+def _routed_experts(x, ids, weights, gate, up, down, *, limit, plan=None):
+    """native.quant.experts' contract over bf16 / float stacks: each token's picks in order."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g = F.linear(x[t], gate[e]).clamp(max=limit)
+            u = F.linear(x[t], up[e]).clamp(min=-limit, max=limit)
+            out[t] += F.linear(F.silu(g) * u, down[e]) * weights[t, j].to(x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_batch_steps_route_in_one_launch(monkeypatch: pytest.MonkeyPatch, mix: str) -> None:
+    """Steps of more tokens than the GEMV takes (a 26-token chunk; a 12-stream decode step):
+    the router's picks through ``moe_route`` on the module's own logits, the routed experts
+    through the library's product, the shared expert as its module: the module path's
+    logits; past ``BATCH_ROUTE_MAX_TOKENS`` tokens the module's forms again."""
+    from engram_trt.bench.dsv4model import random_weights
+    from engram_trt.models.deepseek_v4 import fused, moe
+    from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE
+    from engram_trt.models.deepseek_v4.config import read_config
+    from engram_trt.models.step import PackedStep
+    from engram_trt.native import quant as native_quant
+
+    d = dict(BASE)
+    d.update(MIXES[mix])
+    cfg = read_config(d, f"batch route {mix}")
+    model = ARCHITECTURE.build_model(
+        cfg, random_weights(cfg, "cpu", torch.float32, 5), device="cpu", dtype=torch.float32
+    )
+    for layer in model.model.layers:
+        _conn_of[layer.attn_hc.fn.data_ptr()] = layer.attn_hc
+        _conn_of[layer.ffn_hc.fn.data_ptr()] = layer.ffn_hc
+    _head_of[model.model.hc_head.hc_fn.data_ptr()] = model.model.hc_head
+    gen = torch.Generator().manual_seed(6)
+    S = 12
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in [26] + [2] * (S - 1)]
+    lens = [len(p) for p in prompts]
+    big = fused.BATCH_ROUTE_MAX_TOKENS + 5  # one chunk past the batch path
+    steps = [
+        ("chunk 26", PackedStep(torch.tensor(prompts[0]), [26], [0], [0])),
+        ("chunks", PackedStep(torch.tensor(sum(prompts[1:], [])), lens[1:], [0] * (S - 1), list(range(1, S)))),
+        ("decode 12", PackedStep(torch.tensor([(7 * s) % 90 + 3 for s in range(S)]), [1] * S, lens, list(range(S)))),
+        ("chunk past", PackedStep(torch.randint(3, cfg.vocab_size, (big,), generator=gen), [big], [0], [S])),
+    ]
+    states = {"plain": model.new_cache(S + 1, 128), "fused": model.new_cache(S + 1, 128)}
+    calls: dict[str, int] = {}
+    n = cfg.num_hidden_layers
+    with monkeypatch.context() as mp:
+        for name, step in steps:
+            want = model.forward_step(step, states["plain"])
+            _emulate(mp, calls)
+            mp.setattr(moe.GroupedSparseMoE, "kernels_unavailable", lambda self, x: None)
+            mp.setattr(native_quant, "experts", _routed_experts)
+            before = calls.get("moe_route", 0)
+            got = model.forward_step(step, states["fused"])
+            mp.undo()
+            rel = float((got - want).abs().max() / want.abs().max())
+            assert rel <= 1e-5, f"{mix}, {name}: {rel:.3g}"
+            T = step.num_tokens
+            inside = T <= fused.BATCH_ROUTE_MAX_TOKENS
+            assert calls.get("moe_route", 0) - before == (n if inside else 0), name
+            forms = {layer.mlp.last_form for layer in model.model.layers}
+            assert (forms == {"fused"}) == inside, (name, forms)  # past it: the module's forms (a CPU's: loop)

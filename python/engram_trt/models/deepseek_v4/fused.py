@@ -20,7 +20,9 @@ Per layer, with the step's tokens ``x [T, D]`` (bf16 on a GPU of compute capabil
   them as launches of their own, for A/B);
 * the MoE (:func:`moe`): one launch for the router's logits, one for its picks and
   weights, two for the routed experts with the shared expert (combined in the reference's
-  order).
+  order); a step of more tokens than the GEMV takes, up to ``BATCH_ROUTE_MAX_TOKENS`` (a
+  batch of decode streams), keeps the router's picks in one launch and runs the routed
+  experts through the library's grouped product.
 
 The products take the GEMV for up to ``native.decode.GEMV_EX_MAX_TOKENS`` rows of bf16
 weights; otherwise (a prefill chunk, a stored-format weight) each projection runs as its
@@ -43,6 +45,8 @@ from torch import Tensor, nn
 FUSED_ENV = "ENGRAM_TRT_DSV4_FUSED"
 QUANT_STATIC_ENV = "ENGRAM_TRT_DSV4_QUANT_STATIC"
 QUANT_FUSED_ENV = "ENGRAM_TRT_DSV4_QUANT_FUSED"  # 0: stored-format weights one launch each (the A/B switch)
+# the router's picks in one launch for steps up to this many tokens (a batch of decode streams)
+BATCH_ROUTE_MAX_TOKENS = 64
 PROLOGUE_ENV = "ENGRAM_TRT_DSV4_PROLOGUE"  # "0": q_a_norm and the inverse RoPE as their own launches (A/B)
 
 
@@ -343,6 +347,40 @@ def _moe_stored(
     return qd.moe(x, ids, weights, *stacks, shared=(sw[0], sw[1], sw[2]), limit=limit)
 
 
+def _route(router: Any, logits: Tensor, input_ids: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The router's picks and weights of ``logits`` through ``moe_route`` (one launch)."""
+    from engram_trt.native import decode
+
+    if bias is not None:
+        return decode.moe_route(logits, top_k=router.top_k, score_fn=router.scoring, scaling=router.scaling, bias=bias)
+    tokens = input_ids if input_ids.dtype == torch.int64 else input_ids.long()
+    return decode.moe_route(
+        logits,
+        top_k=router.top_k,
+        score_fn=router.scoring,
+        scaling=router.scaling,
+        tid2eid=router.tid2eid,
+        input_ids=tokens,
+    )
+
+
+def _moe_batch(mlp: Any, x: Tensor, input_ids: Tensor, bias: Tensor | None) -> Tensor | None:
+    """A step of ``GEMV_EX_MAX_TOKENS < T <= BATCH_ROUTE_MAX_TOKENS`` tokens (a batch of
+    decode streams; a short prefill chunk): the router's logits as the module takes them
+    (``F.linear``: the same bits), its picks and weights in one ``moe_route`` launch where
+    the module spends about ten element-wise launches (score, bias, top-k, gather,
+    normalization), the routed experts through the library's product as the module's
+    ``kernels`` form runs them, the shared expert as its module; None (the module's forms)
+    where that product does not serve."""
+    if mlp.kernels_unavailable(x) is not None:
+        return None
+    from engram_trt.native import quant as native_quant
+
+    ids, weights = _route(mlp.gate, F.linear(x, mlp.gate.weight), input_ids, bias)
+    routed = native_quant.experts(x, ids, weights, *mlp.stack_experts(), limit=mlp.experts[0].limit)
+    return routed + mlp.shared_experts(x)
+
+
 def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     """A decode step's MoE (:class:`~.moe.GroupedSparseMoE`, form ``auto``) on the fused
     kernels, or None where they do not serve it (the caller takes its forms): the router's
@@ -354,15 +392,19 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
 
     router = mlp.gate
     T = x.shape[0]
-    if not 1 <= T <= decode.GEMV_EX_MAX_TOKENS or x.dim() != 2:
+    if x.dim() != 2 or not 1 <= T <= BATCH_ROUTE_MAX_TOKENS:
         return None
     scoring = router.scoring
-    if scoring not in decode.SCORE_FNS or not decode.gemv_fits(x, router.weight):
+    if scoring not in decode.SCORE_FNS:
         return None
     bias = router.correction_bias()  # a TopKRouter's; None: a HashRouter picks by its tid2eid table
     if bias is not None and bias.dtype != torch.float32:
         return None  # a bf16 bias rounds the keys: the module's path
     if router.top_k > decode.MOE_MAX_TOP_K or router.num_experts > decode.MOE_MAX_EXPERTS:
+        return None
+    if T > decode.GEMV_EX_MAX_TOKENS:
+        return _moe_batch(mlp, x, input_ids, bias)
+    if not decode.gemv_fits(x, router.weight):
         return None
     stacks = mlp.stack_experts()
     quantized = any(isinstance(st, QuantWeight) for st in stacks)
@@ -382,18 +424,7 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
         return None  # neither the fused experts nor the library's stored-format product: the module's forms
     logits = torch.empty((T, router.num_experts), dtype=x.dtype, device=x.device)
     decode.gemv_segments([(x, router.weight, logits)])
-    if bias is not None:
-        ids, weights = decode.moe_route(logits, top_k=router.top_k, score_fn=scoring, scaling=router.scaling, bias=bias)
-    else:
-        tokens = input_ids if input_ids.dtype == torch.int64 else input_ids.long()
-        ids, weights = decode.moe_route(
-            logits,
-            top_k=router.top_k,
-            score_fn=scoring,
-            scaling=router.scaling,
-            tid2eid=router.tid2eid,
-            input_ids=tokens,
-        )
+    ids, weights = _route(router, logits, input_ids, bias)
     if plain:
         return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(m.weight for m in projections), limit=limit)
     fused = _moe_stored(mlp, x, ids, weights, stacks, projections, limit)
@@ -410,6 +441,7 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
 
 
 __all__ = [
+    "BATCH_ROUTE_MAX_TOKENS",
     "FUSED_ENV",
     "PROLOGUE_ENV",
     "QUANT_FUSED_ENV",
