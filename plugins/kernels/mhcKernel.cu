@@ -29,14 +29,11 @@
  *                set of fn rows, fn's loads issued before the wait for the kernel before
  *                (the general plan gives one token 32 blocks of one warp each, every lane
  *                walking all fn rows; the collapse measured 34 us on the H100 with it).
- *   2. finalize: two blocks per token (one for the head), each summing the partials (a
- *                warp per row, its lanes over the splits): block 0 the pre weights and the
- *                collapse, rounded once to the io type (engram_mhc_pre_norm /
- *                engram_mhc_head_norm then RMS-normalize it in place: the layer's norm);
- *                block 1 the post weights and comb (Sinkhorn by warp 0, the matrix in
- *                registers, sums through shuffles), written in fp32, beside the collapse
- *                rather than before it (their ~40 dependent rounds were the finalize's
- *                longest serial part, and only the next sublayer's expansion reads them).
+ *   2. finalize: a block per token: the partials summed (a warp per row, its lanes over
+ *                the splits), the coefficients (Sinkhorn by warp 0, the matrix in
+ *                registers, sums through shuffles), post / comb written (fp32), then the
+ *                collapse, rounded once to the io type; engram_mhc_pre_norm /
+ *                engram_mhc_head_norm then RMS-normalize it in place (the layer's norm).
  *   3. post:     a thread per (token, 8 channels): all hc streams of its channels read
  *                before any is written, so new_streams may be streams (in place). post
  *                and comb are rounded to the io type first, as the reference's
@@ -354,9 +351,8 @@ __device__ void sinkhornWarpFixed(float* m, int32_t iters, float eps)
 }
 
 /*
- * Kernel 2: blockIdx.x = t, blockIdx.y = role. head != 0: pre only (rows = hc, one scale;
- * one role); else role 0 the layer's pre and the collapse, role 1 its post / comb, post
- * [T, hc] and comb [T, hc, hc] written in fp32. The partials of a
+ * Kernel 2: blockIdx.x = t. head != 0: pre only (rows = hc, one scale); else the layer's
+ * pre / post / comb, post [T, hc] and comb [T, hc, hc] written in fp32. The partials of a
  * row are summed by one warp (its lanes over the splits, then a butterfly). normWeight
  * != NULL: the collapse rounded to the io type is then RMS-normalized in place (the
  * layer's RMSNorm: float32 weight * (c * rsqrt(mean(c^2) + rmsEps)), rounded once).
@@ -396,19 +392,14 @@ __global__ void __launch_bounds__(kMhcThreads)
     __syncthreads();
     int64_t const width = static_cast<int64_t>(hc) * hidden;
     float const r = rsqrtf(mix[rows] / static_cast<float>(width) + normEps);
-    // blockIdx.y: 0 the pre weights, the collapse and its norm (what the next kernel reads
-    // first); 1 (a layer's, not the head's) post and comb, whose Sinkhorn rounds then run
-    // beside the collapse on another SM instead of before it (the next sublayer's expansion
-    // reads them). Both roles sum the same partials in the same order: the same mix bits.
-    int const role = head != 0 ? 0 : static_cast<int>(blockIdx.y);
     if (threadIdx.x < 32)
     {
         float const s0 = scale[0];
-        if (lane < hc && role == 0)
+        if (lane < hc)
         {
             pre[lane] = sigmoidOf(mix[lane] * r * s0 + base[lane]) + hcEps;
         }
-        if (role == 1)
+        if (head == 0)
         {
             float const s1 = scale[1];
             float const s2 = scale[2];
@@ -461,10 +452,6 @@ __global__ void __launch_bounds__(kMhcThreads)
                 comb[t * entries + e] = matrix[e];
             }
         }
-    }
-    if (role == 1)
-    {
-        return; // the whole block: no barrier follows for it
     }
     __syncthreads();
     IoT const* xt = x + t * width;
@@ -932,10 +919,9 @@ int launchFinalize(CollapseLaunch const& a, int64_t splits)
     int64_t const wanted = (a.hidden / 8 + 31) / 32 * 32;
     unsigned const threads = static_cast<unsigned>(wanted < kMhcThreads ? wanted : kMhcThreads);
     resetLaunchError();
-    dim3 const grid(static_cast<unsigned>(a.numTokens), a.head != 0 ? 1U : 2U); // (token, role): the kernel's comment
-    launchDependent(mhcFinalizeKernel<IoT>, grid, dim3(threads), 0, a.stream, static_cast<IoT const*>(a.streams),
-        a.partial, splits, a.base, a.scale, a.numTokens, a.hc, a.hidden, a.iters, a.hcEps, a.normEps, a.head,
-        a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
+    launchDependent(mhcFinalizeKernel<IoT>, dim3(static_cast<unsigned>(a.numTokens)), dim3(threads), 0, a.stream,
+        static_cast<IoT const*>(a.streams), a.partial, splits, a.base, a.scale, a.numTokens, a.hc, a.hidden, a.iters,
+        a.hcEps, a.normEps, a.head, a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
     return checkLaunch("engram_mhc (finalize)");
 }
 
