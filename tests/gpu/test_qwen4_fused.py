@@ -52,6 +52,13 @@ def _fused(on: bool):
     return env(fused.FUSED_ENV, "1" if on else "0")
 
 
+def _gdn_glue():
+    """The Gated DeltaNet glue's opt-in switch on (fused.GDN_GLUE_ENV)."""
+    from engram_trt.models.qwen4_exp import fused
+
+    return env(fused.GDN_GLUE_ENV, "1")
+
+
 # --- 1. moe_route, softmax ---------------------------------------------------------------------------
 
 
@@ -371,6 +378,8 @@ def test_fused_model_decode_within_round_off() -> None:
 
     fused.moe, fused.gdn_gates, fused.gated_norm = counted, counted_gates, counted_norm
     n_linear = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    glue = _gdn_glue()
+    glue.__enter__()
     try:
         gen = torch.Generator().manual_seed(5)
         prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 10)]
@@ -408,6 +417,7 @@ def test_fused_model_decode_within_round_off() -> None:
                 lens[i] += 1
     finally:
         fused.moe, fused.gdn_gates, fused.gated_norm = real, real_gates, real_norm
+        glue.__exit__(None, None, None)
         ck32.close()
         ck16.close()
     fm, pm = float(np.median(fes)), float(np.median(pes))
@@ -524,7 +534,7 @@ def test_fused_gdn_glue_serves_bf16_and_steps_aside(rng) -> None:
     dt_bias, neg_decay = cuda_normal(rng, (32,), 1.0, "bfloat16"), -cuda_normal(rng, (32,), 1.0).exp()
     norm = GatedRMSNorm(128, 1e-6, "silu").to("cuda", torch.bfloat16)
     core, z = cuda_normal(rng, (2, 32, 128), 1.0, "bfloat16"), cuda_normal(rng, (2, 32 * 128), 1.0, "bfloat16")
-    with torch.no_grad():
+    with torch.no_grad(), _gdn_glue():
         assert fused.gdn_gates(b, a, dt_bias, neg_decay) is not None, fused.unavailable(b)
         assert fused.gated_norm(norm, core, z, 32) is not None, fused.unavailable(z)
         big = cuda_normal(rng, (17, 32), 1.0, "bfloat16")

@@ -83,6 +83,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return call
 
     monkeypatch.setattr(fused, "unavailable", lambda x: None)
+    monkeypatch.setenv(fused.GDN_GLUE_ENV, "1")  # the Gated DeltaNet glue is opt-in
     monkeypatch.setattr(decode, "gemv_fits", lambda x, w: x.dim() == 2 and x.shape[1] == w.shape[1])
     monkeypatch.setattr(decode, "gemv_segments", counted("gemv_segments", _gemv_segments))
     monkeypatch.setattr(decode, "moe_route", counted("moe_route", _moe_route))
@@ -342,3 +343,27 @@ def test_gated_delta_net_decode_takes_the_steps_meta(monkeypatch) -> None:
     with torch.no_grad():
         layer.A_log.add_(1.0)
     assert torch.equal(layer._neg_decay(), -layer.A_log.float().exp()), "a changed A_log is read again"
+
+
+def test_gdn_glue_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch, emulated) -> None:
+    """Without ENGRAM_TRT_QWEN4_GDN_GLUE=1 the Gated DeltaNet glue steps aside where it would
+    serve (its kernels await their GPU check): the decode step runs the PyTorch ops."""
+    from engram_trt.models.qwen4_exp import fused
+    from engram_trt.models.qwen4_exp.norms import GatedRMSNorm
+
+    H, dim = 4, 16
+    dt_bias, neg_decay = torch.randn(H), -torch.rand(H).exp()
+    norm = GatedRMSNorm(dim, 1e-6, "silu")
+    core, z = torch.randn(2, H, dim), torch.randn(2, H * dim)
+    for value in (None, "0", "yes"):
+        if value is None:
+            monkeypatch.delenv(fused.GDN_GLUE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(fused.GDN_GLUE_ENV, value)
+        assert not fused.gdn_glue_on()
+        assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias, neg_decay) is None, value
+        assert fused.gated_norm(norm, core, z, H) is None, value
+    assert emulated == {}, emulated
+    monkeypatch.setenv(fused.GDN_GLUE_ENV, "1")
+    assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias, neg_decay) is not None
+    assert emulated == {"gdn_gates": 1}, emulated

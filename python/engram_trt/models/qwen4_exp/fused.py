@@ -27,7 +27,10 @@ weight-read floor (issue 41: the MoE 120 us a layer, a mix 43 us).
   ONE launch (``gdn_gates``) where the PyTorch ops take about seven, and the gated RMSNorm
   of the core's output (:class:`~.norms.GatedRMSNorm`) in ONE launch (``gated_norm``)
   where they take about twelve; both with the module's float32 ops and bf16 roundings
-  (decodeKernels.h; the norm's sum of squares in its own order).
+  (decodeKernels.h; the norm's sum of squares in its own order). Off unless
+  ``ENGRAM_TRT_QWEN4_GDN_GLUE=1`` (:data:`GDN_GLUE_ENV`): their kernels have not yet run on
+  a GPU (tests/gpu/test_qwen4_fused.py holds them to the ops they replace), and the default
+  decode path takes no kernel that has not passed there.
 
 Served: bf16 activations and weights (plain ``nn.Linear`` and the stacked experts) of 1 to
 ``GEMV_EX_MAX_TOKENS`` tokens (the Gated DeltaNet gates and norm: ``GDN_GLUE_MAX_TOKENS``,
@@ -38,12 +41,19 @@ chunk, FP8 experts, a tensor-parallel rank, float32 models, CPUs,
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 FUSED_ENV = "ENGRAM_TRT_QWEN4_FUSED"
+GDN_GLUE_ENV = "ENGRAM_TRT_QWEN4_GDN_GLUE"  # "1": the Gated DeltaNet gates / norm kernels (opt-in, module docstring)
+
+
+def gdn_glue_on() -> bool:
+    """Whether :func:`gdn_gates` / :func:`gated_norm` may serve (``ENGRAM_TRT_QWEN4_GDN_GLUE=1``)."""
+    return os.environ.get(GDN_GLUE_ENV, "0") == "1"
 
 
 def unavailable(x: Tensor) -> str | None:
@@ -76,8 +86,8 @@ def project(x: Tensor, mods: list[Any]) -> list[Tensor] | None:
 def gdn_gates(b: Tensor, a: Tensor, dt_bias: Tensor, neg_decay: Tensor) -> tuple[Tensor, Tensor] | None:
     """``(beta, g)`` float32 ``[T, Hv]`` of a Gated DeltaNet decode step (``sigmoid(b).float()``,
     ``neg_decay * softplus(a.float() + dt_bias.float())``) in one launch, or None where the
-    kernel does not serve them (the caller runs the PyTorch ops)."""
-    if unavailable(b) is not None or b.dim() != 2 or a.dim() != 2 or a.dtype != b.dtype:
+    kernel does not serve them (the caller runs the PyTorch ops; off unless :func:`gdn_glue_on`)."""
+    if not gdn_glue_on() or unavailable(b) is not None or b.dim() != 2 or a.dim() != 2 or a.dtype != b.dtype:
         return None
     from engram_trt.native import decode
 
@@ -99,8 +109,8 @@ def gated_norm(norm: Any, x: Tensor, gate: Tensor, heads: int) -> Tensor | None:
     """``norm(x.to(gate.dtype).reshape(-1, dim), gate.reshape(-1, dim))`` reshaped to ``[T,
     heads * dim]`` (a :class:`~.norms.GatedRMSNorm`, ``x`` the core's ``[T, heads, dim]`` in
     bf16 or float32, ``gate [T, heads * dim]``) in one launch, or None where the kernel does
-    not serve it (the caller runs the module)."""
-    if unavailable(gate) is not None or gate.dim() != 2 or gate.stride(1) != 1:
+    not serve it (the caller runs the module; off unless :func:`gdn_glue_on`)."""
+    if not gdn_glue_on() or unavailable(gate) is not None or gate.dim() != 2 or gate.stride(1) != 1:
         return None
     from engram_trt.native import decode
 
@@ -207,4 +217,14 @@ def mix(conn: Any, streams: Tensor) -> tuple[Tensor, Tensor | None] | None:
     return decode.hc_mix(z, up.weight, normed, logits, hc=hc)
 
 
-__all__ = ["FUSED_ENV", "gated_norm", "gdn_gates", "mix", "moe", "project", "unavailable"]
+__all__ = [
+    "FUSED_ENV",
+    "GDN_GLUE_ENV",
+    "gated_norm",
+    "gdn_gates",
+    "gdn_glue_on",
+    "mix",
+    "moe",
+    "project",
+    "unavailable",
+]
