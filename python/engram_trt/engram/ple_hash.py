@@ -328,10 +328,13 @@ def next_context(context: Any, input_ids: Any, seq_starts: Any) -> Any:
             f"len(input_ids)={ids.size} (got {ctx.shape}, {starts.size} starts)"
         )
     n = ctx.shape[1]
-    out = np.empty_like(ctx)
-    for s in range(ctx.shape[0]):
-        joined = np.concatenate([ctx[s], ids[starts[s] : starts[s + 1]]])
-        out[s] = joined[joined.size - n :]
+    if ids.size == ctx.shape[0] and np.all(np.diff(starts) == 1):  # a decode step: one token a sequence
+        out = np.concatenate([ctx[:, 1:], ids.reshape(-1, 1)], axis=1) if n else ctx.copy()
+    else:
+        out = np.empty_like(ctx)
+        for s in range(ctx.shape[0]):
+            joined = np.concatenate([ctx[s], ids[starts[s] : starts[s + 1]]])
+            out[s] = joined[joined.size - n :]
     if torch_in:
         import torch
 

@@ -1,7 +1,6 @@
-"""Qwen4ExpDecodeGraphs' host side of a replay: ``fill_host`` / ``advance_context`` (NumPy
-writes into the pinned buffer) against the torch form they replace, field by field, and
-the context's advance against ``engram.ple_hash.next_context`` (the reference of the
-PLE hash's n-gram context)."""
+"""Qwen4ExpDecodeGraphs' host side of a replay: ``fill_host`` (NumPy writes into the pinned
+buffer) against the torch form it replaces, field by field, and the context's advance
+(``engram.ple_hash.next_context``'s one-token form) against the per-sequence rule."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from engram_trt.engram.ple_hash import next_context
-from engram_trt.models.qwen4_exp.graphs import advance_context, fill_host
+from engram_trt.models.qwen4_exp.graphs import fill_host
 
 
 def torch_fill(
@@ -55,19 +54,31 @@ def test_fill_host_writes_what_the_torch_fill_wrote(n_ctx: int, S: int, G: int) 
     assert got[2, S:].tolist() == [scratch] * (G - S) and got[0, :S].tolist() == ids.tolist()
 
 
+def _loop_context(ctx: np.ndarray, ids: np.ndarray, starts: list[int]) -> np.ndarray:
+    """next_context's rule spelled per sequence: its last N-1 ids after its tokens."""
+    n = ctx.shape[1]
+    out = np.empty_like(ctx)
+    for s in range(ctx.shape[0]):
+        joined = np.concatenate([ctx[s], ids[starts[s] : starts[s + 1]]])
+        out[s] = joined[joined.size - n :]
+    return out
+
+
 @pytest.mark.parametrize("n_ctx", [0, 1, 3])
-def test_advance_context_is_next_context_of_a_one_token_step(n_ctx: int) -> None:
+def test_next_context_of_a_one_token_step(n_ctx: int) -> None:
+    """The decode step's advance (next_context's one-token form, which the graphs' replay
+    takes) equals the per-sequence rule; a step with a longer chunk takes the loop."""
     rng = np.random.default_rng(7 + n_ctx)
     context = rng.integers(0, 500, size=(9, n_ctx)).astype(np.int64)
     slots = [4, 0, 7]
     ids = np.array([901, 902, 903], dtype=np.int64)
     ctx = context[slots].copy()
-    want = context.copy()
-    want[slots] = next_context(ctx, ids, [0, 1, 2, 3])
-    untouched = [s for s in range(9) if s not in slots]
-    before = context[untouched].copy()
-    advance_context(context, slots, ctx, ids)
-    np.testing.assert_array_equal(context, want)
-    np.testing.assert_array_equal(context[untouched], before)
+    got = next_context(ctx, ids, [0, 1, 2, 3])
+    np.testing.assert_array_equal(got, _loop_context(ctx, ids, [0, 1, 2, 3]))
+    assert got.shape == (3, n_ctx)
     if n_ctx:
-        assert context[slots, -1].tolist() == ids.tolist()
+        assert got[:, -1].tolist() == ids.tolist()
+    chunk = np.array([901, 905, 906, 902, 903], dtype=np.int64)
+    np.testing.assert_array_equal(next_context(ctx, chunk, [0, 3, 4, 5]), _loop_context(ctx, chunk, [0, 3, 4, 5]))
+    torch_in = next_context(torch.from_numpy(ctx), torch.from_numpy(ids), [0, 1, 2, 3])
+    assert isinstance(torch_in, torch.Tensor) and torch_in.numpy().tolist() == got.tolist()

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram_trt.engram.ple_hash import next_context
 from engram_trt.models.parallel import is_parallel
 from engram_trt.models.qwen4_exp.state import decode_context
 from engram_trt.models.step import PackedStep
@@ -47,7 +48,7 @@ def fill_host(
     array); columns S..G-1 a padding sequence each (position 0, the scratch slot, EOS
     context). NumPy writes into the pinned buffer's memory: a handful of array stores where
     the torch form took some twenty CPU tensor ops a step. Returns the step's contexts
-    ``[S, N-1]`` (a copy) for :func:`advance_context`."""
+    ``[S, N-1]`` (a copy) for their advance (``engram.ple_hash.next_context``)."""
     S = ids.shape[0]
     h[:, S:] = 0
     h[2, S:] = scratch
@@ -59,15 +60,6 @@ def fill_host(
     if h.shape[0] > 3:
         h[3:, :S] = ctx.T
     return ctx
-
-
-def advance_context(context: np.ndarray, slots: list[int], ctx: np.ndarray, ids: np.ndarray) -> None:
-    """After a decode step (one token a sequence): each slot's n-gram context becomes its
-    last N-2 ids then its token (``engram.ple_hash.next_context`` of a one-token step, in
-    place in the state's host array ``context``)."""
-    n = ctx.shape[1]
-    if n:
-        context[np.asarray(slots, dtype=np.int64)] = np.concatenate([ctx[:, 1:], ids.reshape(-1, 1)], axis=1)
 
 
 def _bucket(n: int) -> int:
@@ -143,14 +135,13 @@ class Qwen4ExpDecodeGraphs:
         self._copied.synchronize()  # the last copy out of the pinned buffer has run
         ids = step.input_ids.reshape(-1)
         ids_np = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
-        ctx = fill_host(
-            self._host_np[G], ids_np, step.past_lens, step.slots, cache.context.numpy(), self.scratch, cache.eos_id
-        )
+        context = cache.context.numpy()  # the state's host array itself
+        ctx = fill_host(self._host_np[G], ids_np, step.past_lens, step.slots, context, self.scratch, cache.eos_id)
         dev.copy_(host, non_blocking=True)
         self._copied.record()
         if model.config.ple is not None:
             if self.lookup_in_graph:
-                advance_context(cache.context.numpy(), step.slots, ctx, ids_np)
+                context[np.asarray(step.slots, dtype=np.int64)] = next_context(ctx, ids_np, np.arange(S + 1))
             else:  # the host gather before the replay, into the graph's row buffers
                 for buf, got in zip(entry["rows"], model.ple_rows(step, cache)):
                     buf[:S].copy_(got)
