@@ -223,6 +223,38 @@ def _one_sequence(
             yield model, cache, graphs, family
 
 
+def _prefill(model: Any, cache: Any, prompt_tokens: int) -> int:
+    """The made prompt of ``prompt_tokens`` tokens (:func:`_prompt_token`) prefilled into slot
+    0 of ``cache``; returns the model's vocabulary size."""
+    import torch
+
+    from engram_trt.models.step import PackedStep
+
+    vocab = int(model.config.vocab_size)
+    prompt = [_prompt_token(i, vocab) for i in range(prompt_tokens)]
+    model.forward_step(PackedStep(torch.tensor(prompt), [prompt_tokens], [0], [0]), cache)
+    return vocab
+
+
+def _timed_step(model: Any, cache: Any, graphs: Any, step: Any) -> tuple[Any, float, str | None]:
+    """``(logits, ms, off)`` of one decode ``step``: replayed by ``graphs`` (None: eager; a
+    step they cannot replay runs eagerly too), ``ms`` between CUDA events around the whole
+    call; ``off`` why the graphs turned off at this step (then the caller drops them), else None."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    off = None
+    logits = graphs.run(step, None) if graphs is not None else None
+    if logits is None:
+        if graphs is not None:
+            off = f"eager (graphs off: {graphs.failed})"
+        logits = model.forward_step(step, cache)
+    b.record()
+    torch.cuda.synchronize()
+    return logits, float(a.elapsed_time(b)), off
+
+
 def decode_breakdown(
     folder: Any,
     *,
@@ -248,8 +280,6 @@ def decode_breakdown(
         if isinstance(got, dict):
             return got
         model, cache, graphs, family = got
-        vocab = int(model.config.vocab_size)
-        prompt = [_prompt_token(i, vocab) for i in range(prompt_tokens)]
         clock = RegionClock()
         samples: list[dict[str, Any]] = []
         totals: list[float] = []
@@ -258,33 +288,23 @@ def decode_breakdown(
             (deepseek_regions(clock, model) if family == "deepseek-v4" else qwen4_regions(clock, model, graphs))
             if detail and family == "deepseek-v4":
                 deepseek_details(clock)
-            model.forward_step(PackedStep(torch.tensor(prompt), [prompt_tokens], [0], [0]), cache)
+            _prefill(model, cache, prompt_tokens)
             past = prompt_tokens
             tok = 7
             for _ in range(reps + 1):  # the first step records the graph (or warms the eager path)
                 step = PackedStep(torch.tensor([tok]), [1], [past], [0])
                 clock.eager.clear()
                 captures, n0 = getattr(graphs, "captures", 0), len(clock.captured)
-                cuda = model.device.type == "cuda"
-                if cuda:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                logits = graphs.run(step, None) if graphs is not None else None
-                if logits is None:
-                    if graphs is not None:
-                        mode = f"eager (graphs off: {graphs.failed})"
-                        graphs = None
-                    logits = model.forward_step(step, cache)
-                if cuda:
-                    b.record()
-                    torch.cuda.synchronize()
-                    totals.append(float(a.elapsed_time(b)))
+                logits, ms, off = _timed_step(model, cache, graphs, step)
+                totals.append(ms)
+                if off is not None:
+                    mode, graphs = off, None
                 if graphs is not None and graphs.captures != captures:
                     del clock.captured[:n0]  # a new graph was recorded (a new context bucket): its marks count
                 tok = int(logits[0].argmax())
                 past += 1
                 marks = clock.captured if graphs is not None else list(clock.eager)
-                if marks and cuda:
+                if marks:
                     samples.append(RegionClock.spans(marks))
         samples, totals = samples[1:], totals[1:]  # the first: capture / warm-up
     if not samples:
@@ -515,25 +535,17 @@ def decode_kernel_profile(
         if isinstance(got, dict):
             return got
         model, cache, graphs, family = got
-        vocab = int(model.config.vocab_size)
-        prompt = [_prompt_token(i, vocab) for i in range(prompt_tokens)]
-        model.forward_step(PackedStep(torch.tensor(prompt), [prompt_tokens], [0], [0]), cache)
+        vocab = _prefill(model, cache, prompt_tokens)
         state: dict[str, Any] = {"past": prompt_tokens, "graphs": graphs, "mode": "graph" if graphs else "eager"}
 
         def step() -> float:
             past = state["past"]
             s = PackedStep(torch.tensor([_prompt_token(past, vocab)]), [1], [past], [0])
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g = state["graphs"]
-            if g is None or g.run(s, None) is None:
-                if g is not None:
-                    state["mode"], state["graphs"] = f"eager (graphs off: {g.failed})", None
-                model.forward_step(s, cache)
-            b.record()
-            torch.cuda.synchronize()
+            _, ms, off = _timed_step(model, cache, state["graphs"], s)
+            if off is not None:
+                state["mode"], state["graphs"] = off, None
             state["past"] = past + 1
-            return float(a.elapsed_time(b))
+            return ms
 
         step()  # records the graph (or warms the eager path)
         step()
