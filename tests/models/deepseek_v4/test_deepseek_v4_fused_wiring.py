@@ -122,14 +122,22 @@ def _moe_route(logits, *, top_k, score_fn, scaling, bias=None, tid2eid=None, inp
     return ids.to(torch.int32), w.float()
 
 
-def _moe_experts(x, ids, weights, gate, up, down, *, shared, limit):
+def _routed_sum(x, ids, weights, gate, up, down, limit, by_expert: bool):
+    """Each token's picked experts' clamped SwiGLU, weighted and summed in pick order (or by
+    expert id, ``by_expert``)."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
-        for j in sorted(range(ids.shape[1]), key=lambda j: (int(ids[t, j]), j)):
+        picks = range(ids.shape[1])
+        for j in sorted(picks, key=lambda j: (int(ids[t, j]), j)) if by_expert else picks:
             e = int(ids[t, j])
             g = F.linear(x[t], gate[e]).clamp(max=limit)
             u = F.linear(x[t], up[e]).clamp(min=-limit, max=limit)
             out[t] += F.linear(F.silu(g) * u, down[e]) * weights[t, j].to(x.dtype)
+    return out
+
+
+def _moe_experts(x, ids, weights, gate, up, down, *, shared, limit):
+    out = _routed_sum(x, ids, weights, gate, up, down, limit, by_expert=True)
     sg, su, sd = shared
     g = F.linear(x, sg).clamp(max=limit)
     u = F.linear(x, su).clamp(min=-limit, max=limit)
@@ -253,23 +261,32 @@ _conn_of: dict[int, Any] = {}
 _head_of: dict[int, Any] = {}
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix: str) -> None:
+def _wiring_model(mix: str, seed: int) -> Any:
+    """The float32 CPU model of ``mix`` (random weights of ``seed``), its hyper-connections
+    registered for the emulated mHC kernels (which find a connection by its fn's address)."""
     from engram_trt.bench.dsv4model import random_weights
     from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE
     from engram_trt.models.deepseek_v4.config import read_config
-    from engram_trt.models.step import PackedStep
 
     d = dict(BASE)
     d.update(MIXES[mix])
     cfg = read_config(d, f"wiring {mix}")
     model = ARCHITECTURE.build_model(
-        cfg, random_weights(cfg, "cpu", torch.float32, 3), device="cpu", dtype=torch.float32
+        cfg, random_weights(cfg, "cpu", torch.float32, seed), device="cpu", dtype=torch.float32
     )
     for layer in model.model.layers:
         _conn_of[layer.attn_hc.fn.data_ptr()] = layer.attn_hc
         _conn_of[layer.ffn_hc.fn.data_ptr()] = layer.ffn_hc
     _head_of[model.model.hc_head.hc_fn.data_ptr()] = model.model.hc_head
+    return model
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix: str) -> None:
+    from engram_trt.models.step import PackedStep
+
+    model = _wiring_model(mix, 3)
+    cfg = model.config
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 3, 14)]
     states = {"plain": model.new_cache(3, 64), "fused": model.new_cache(3, 64)}
@@ -314,14 +331,7 @@ def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix
 
 def _routed_experts(x, ids, weights, gate, up, down, *, limit, plan=None):
     """native.quant.experts' contract over bf16 / float stacks: each token's picks in order."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            g = F.linear(x[t], gate[e]).clamp(max=limit)
-            u = F.linear(x[t], up[e]).clamp(min=-limit, max=limit)
-            out[t] += F.linear(F.silu(g) * u, down[e]) * weights[t, j].to(x.dtype)
-    return out
+    return _routed_sum(x, ids, weights, gate, up, down, limit, by_expert=False)
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -330,23 +340,12 @@ def test_batch_steps_route_in_one_launch(monkeypatch: pytest.MonkeyPatch, mix: s
     the router's picks through ``moe_route`` on the module's own logits, the routed experts
     through the library's product, the shared expert as its module: the module path's
     logits; past ``BATCH_ROUTE_MAX_TOKENS`` tokens the module's forms again."""
-    from engram_trt.bench.dsv4model import random_weights
     from engram_trt.models.deepseek_v4 import fused, moe
-    from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE
-    from engram_trt.models.deepseek_v4.config import read_config
     from engram_trt.models.step import PackedStep
     from engram_trt.native import quant as native_quant
 
-    d = dict(BASE)
-    d.update(MIXES[mix])
-    cfg = read_config(d, f"batch route {mix}")
-    model = ARCHITECTURE.build_model(
-        cfg, random_weights(cfg, "cpu", torch.float32, 5), device="cpu", dtype=torch.float32
-    )
-    for layer in model.model.layers:
-        _conn_of[layer.attn_hc.fn.data_ptr()] = layer.attn_hc
-        _conn_of[layer.ffn_hc.fn.data_ptr()] = layer.ffn_hc
-    _head_of[model.model.hc_head.hc_fn.data_ptr()] = model.model.hc_head
+    model = _wiring_model(mix, 5)
+    cfg = model.config
     gen = torch.Generator().manual_seed(6)
     S = 12
     prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in [26] + [2] * (S - 1)]
