@@ -405,7 +405,7 @@ class GatedDeltaNet(nn.Module):
         :meth:`forward` on such a step (its decode branch is this very code). A bf16 step on a
         GPU takes the four input projections in one GEMV launch and the output projection in
         another (:func:`.fused.project`), the gates in one (:func:`.fused.gdn_gates`) and the
-        gated output norm in one (:func:`.fused.gated_norm`, with the gates opt-in:
+        gated output norm in one (:func:`.fused.gated_norm`; these two opt-in:
         ``ENGRAM_TRT_QWEN4_GDN_GLUE=1``) where the kernel library serves them. ``meta``: the
         step's int32 ``[seq_starts (B+1) = 0..B, past_lens (B), slots (B)]`` on the device when
         the caller has it (``Qwen4ExpModel.decode_views``: one for every layer of the step; the
@@ -416,9 +416,10 @@ class GatedDeltaNet(nn.Module):
         if projected is None:
             projected = [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
         cols, z, b, a = projected
-        gates = fused.gdn_gates(b, a, self.dt_bias, self._neg_decay())
+        neg_decay = self._neg_decay()
+        gates = fused.gdn_gates(b, a, self.dt_bias, neg_decay)
         if gates is None:
-            gates = torch.sigmoid(b).float(), self._neg_decay() * F.softplus(a.float() + self.dt_bias.float())
+            gates = torch.sigmoid(b).float(), neg_decay * F.softplus(a.float() + self.dt_bias.float())
         beta, g = gates
         if self._kernel_serves(x, conv_state, recurrent_state):
             # Sequence j is token j with a past (its length only needs to be > 0), in slot
