@@ -396,6 +396,40 @@ def test_v4_llm_graphs_give_the_recorded_tokens() -> None:
     )
 
 
+def test_v4_llm_overlapped_graph_steps_give_the_recorded_tokens(monkeypatch: Any) -> None:
+    """The scheduler's overlap on the GPU (runtime/scheduler.py: a greedy decode step queued
+    before the last one's tokens are read, its ids copied from the last argmax into the
+    graph's buffer on the device): transformers' recorded tokens, most decode steps queued
+    ahead; a sequence stopped by a stop id under a queued step ends there, and a waiting
+    request that takes its slot (max_batch_size 2) gives the tokens it gives with the overlap off."""
+    from engram_trt import LLM, SamplingParams
+
+    expected = json.loads((DATA / "expected.json").read_text())
+    prompts, n, want = expected["prompts"], expected["new_tokens"], expected["greedy"]
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    k = next(k for k in range(2, n - 2) if want[1][k] not in want[1][:k])  # a stop id first produced at k
+    stop = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop_token_ids=(want[1][k],))
+    runs = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("ENGRAM_TRT_OVERLAP", overlap)
+        with LLM(str(DATA), backend="torch", device="cuda", dtype="fp32", max_batch_size=len(prompts)) as llm:
+            plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+            chained = llm.stats()["chained_steps"]
+        with LLM(str(DATA), backend="torch", device="cuda", dtype="fp32", max_batch_size=2) as llm:
+            outs = llm.generate([prompts[1], prompts[0], prompts[1]], [stop, greedy, greedy])
+            handover = [list(o.outputs[0].token_ids) for o in outs], llm.stats()["chained_steps"]
+        runs[overlap] = plain, chained, handover
+    (plain, chained, (handed, chained2)), (_, off_chained, (handed_off, _)) = runs["1"], runs["0"]
+    assert plain == want, f"V4 tiny, overlapped graph steps: transformers' recorded greedy tokens: {plain}"
+    assert chained >= n - 4 and off_chained == 0, (
+        f"decode steps queued before the last one's tokens were read: {chained} of {n - 1} (overlap off: {off_chained})"
+    )
+    assert handed == handed_off == [want[1][: k + 1], want[0], want[1]] and chained2 > 0, (
+        f"a stop under a queued step and its slot handed over: {handed} (overlap off {handed_off}, want "
+        f"{[want[1][: k + 1], want[0], want[1]]}); {chained2} steps queued ahead"
+    )
+
+
 def test_state_larger_than_free_memory_is_refused() -> None:
     import torch
 

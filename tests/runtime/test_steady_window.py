@@ -51,12 +51,12 @@ def test_median_of_takes_the_middle_round() -> None:
 def _counting(monkeypatch: Any) -> dict[str, int]:
     """Count scheduler steps, incremental detokenizer updates and whole-text decodes."""
     counts = {"steps": 0, "updates": 0, "decodes": 0}
-    run, update = scheduler.Scheduler._run, detokenize.IncrementalText.update
+    complete, update = scheduler.Scheduler._complete, detokenize.IncrementalText.update
     finish = scheduler.Scheduler._finish
 
-    def counted_run(self: Any, batch: Any) -> None:
+    def counted_complete(self: Any, launched: Any) -> None:  # every step's tokens are handed out here
         counts["steps"] += 1
-        run(self, batch)
+        complete(self, launched)
 
     def counted_update(self: Any) -> Any:
         counts["updates"] += 1
@@ -66,7 +66,7 @@ def _counting(monkeypatch: Any) -> dict[str, int]:
         counts["decodes"] += int(req.text_stale)
         finish(self, req, reason, emit)
 
-    monkeypatch.setattr(scheduler.Scheduler, "_run", counted_run)
+    monkeypatch.setattr(scheduler.Scheduler, "_complete", counted_complete)
     monkeypatch.setattr(detokenize.IncrementalText, "update", counted_update)
     monkeypatch.setattr(scheduler.Scheduler, "_finish", counted_finish)
     return counts

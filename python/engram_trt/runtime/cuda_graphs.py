@@ -85,14 +85,18 @@ def fill_columns(
     layout :meth:`DecodeGraphs._buffers` names), one column per sequence: token id,
     compressed id, position (its past length), slot, length after the step, the N-1
     lookback ids; with ``pad``, columns S..G-1 as padding sequences on the ``scratch``
-    slot (position 0, length 1, compressed id 0, no lookback)."""
+    slot (position 0, length 1, compressed id 0, no lookback). Token ids on a device (a
+    step queued before the last one's tokens were read) are not read here unless the
+    compressed ids need them: the caller copies them into the device buffer."""
     if pad:
         h[:, S:G] = 0
         h[3, S:G] = scratch
         h[4, S:G] = 1
         h[5:, S:G] = -1
-    ids = step.input_ids.numpy() if step.input_ids.device.type == "cpu" else step.input_ids.cpu().numpy()
-    h[0, :S] = ids
+    on_host = step.input_ids.device.type == "cpu"
+    if on_host or (step.engram_ids is None and lookup is not None):  # (device ids: the caller copies them in)
+        ids = step.input_ids.numpy() if on_host else step.input_ids.cpu().numpy()
+        h[0, :S] = ids
     if step.engram_ids is not None:
         h[1, :S] = step.engram_ids.cpu().numpy()
     elif lookup is not None:
@@ -313,6 +317,8 @@ class DecodeGraphs:
             self._padded[G] = S
         dev.copy_(host, non_blocking=True)
         self._event.record()
+        if step.input_ids.device.type != "cpu":  # the last step's argmax, where it lies: no host read
+            dev[0, :S].copy_(step.input_ids)
 
     # -- recording ------------------------------------------------------------------------
     def _static_step(self, G: int, L: int) -> PackedStep:

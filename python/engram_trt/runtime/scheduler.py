@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -161,6 +162,32 @@ class Request:
         )
 
 
+@dataclass
+class _Launched:
+    """A step queued on the device whose tokens are not read yet (:meth:`Scheduler._launch`).
+    ``picks``: the argmax and finite flag of each row ``[2, S]`` on the device when every
+    sampled row is greedy (None: sampled on the host when the step completes), with its
+    pinned host copy and the event that says the copy is done; ``chained``: queued before
+    the step before it was read (:meth:`Scheduler._launch_chained`)."""
+
+    reqs: list[Request]
+    seq_lens: list[int]
+    slots: list[int]
+    slot_idx: np.ndarray
+    num_tokens: int
+    decode_only: bool
+    lookback: np.ndarray
+    cids: np.ndarray
+    sample: list[int]
+    t0: float
+    phases: StepPhases | None = None
+    chained: bool = False
+    logits: Any = None
+    picks: torch.Tensor | None = None
+    picks_host: torch.Tensor | None = None
+    picks_ready: Any = None  # a torch.cuda.Event
+
+
 class StepRunner(Protocol):
     """What the scheduler asks of its runner (:class:`~engram_trt.runtime.runner.ModelRunner`,
     or a wrapper of one: the distributed leader's): the limits of a step, the model's
@@ -207,6 +234,10 @@ class Scheduler:
         self._special_ids = special_token_ids(tokenizer)  # what skip_special_tokens leaves out of the text
         self._byte_ids = byte_fallback_ids(tokenizer)  # byte tokens whose trailing run a stream holds back
         self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
+        # Queue a greedy decode step before the last one's tokens are read (_chainable); ENGRAM_TRT_OVERLAP=0: never
+        self.overlap = os.environ.get("ENGRAM_TRT_OVERLAP", "1") != "0"
+        self._pick_host: dict[tuple[int, int], torch.Tensor] = {}  # pinned buffers of the tokens' copies
+        self._pick_slot = 0
         self.stats = {
             "steps": 0,
             "tokens": 0,
@@ -217,6 +248,7 @@ class Scheduler:
             "last_step_seqs": 0,
             "last_step_tokens": 0,
             "step_s": 0.0,
+            "chained_steps": 0,
         }
 
     # -- admission (any thread) ---------------------------------------------------------
@@ -300,21 +332,48 @@ class Scheduler:
             self._thread.start()
 
     def _loop(self) -> None:
+        inflight: _Launched | None = None  # a step queued on the device whose tokens are not read yet
         while True:
             ph = self.phases
-            if ph is not None:
+            if ph is not None and inflight is None:
                 ph.begin()
             with self._cond:
                 self._reap_cancelled()
                 self._admit()
                 if self._stop:
                     return
-                if not self._running and not self._waiting:
+                if inflight is None and not self._running and not self._waiting:
                     self._cond.wait()
                     continue  # admit what woke us before planning
-                batch = self._plan()
-            if batch:
-                self._run(batch)
+                batch = self._plan() if inflight is None else []
+                chain = inflight is not None and self._chainable(inflight)
+            if inflight is None:
+                if not batch:
+                    continue
+                inflight = self._launch(batch, ph)
+                if inflight is None:
+                    continue  # the step failed; its requests carry the error
+                with self._cond:
+                    chain = self._chainable(inflight)
+            nxt = self._launch_chained(inflight) if chain else None
+            self._complete(inflight)
+            inflight = nxt
+
+    def _chainable(self, prev: _Launched) -> bool:
+        """Whether the next step can be queued before ``prev``'s tokens are read (called
+        under the lock): overlap on, no phases timed, ``prev`` a decode step of greedy
+        sequences whose tokens were taken on the device, that step's sequences the whole
+        running set (none prefilling, none cancelled, none that would reach its
+        ``max_tokens`` with ``prev``'s token), no request waiting for a free slot, and a
+        model whose next step needs nothing of the tokens on the host (no Engram lookback:
+        its hashes are computed here from the compressed ids)."""
+        if not self.overlap or self.phases is not None or prev.picks is None or not prev.decode_only:
+            return False
+        if self._cancels or (self._waiting and self._free_slots) or self.runner.lookback_len:
+            return False
+        if len(prev.reqs) != len(self._running) or set(map(id, prev.reqs)) != set(map(id, self._running)):
+            return False
+        return all(not r.finished and len(r.output_ids) + 2 <= r.params.max_tokens for r in prev.reqs)
 
     def _reap_cancelled(self) -> None:
         if not self._cancels:
@@ -352,6 +411,15 @@ class Scheduler:
         return batch
 
     def _run(self, batch: list[tuple[Request, list[int]]]) -> None:
+        """One step, start to end: launched, then its tokens read and handed out."""
+        launched = self._launch(batch, self.phases)
+        if launched is not None:
+            self._complete(launched)
+
+    def _launch(self, batch: list[tuple[Request, list[int]]], ph: StepPhases | None) -> _Launched | None:
+        """Queue ``batch``'s step on the device (and, when every sampled row is greedy and no
+        phases are timed, its argmax and an asynchronous copy of the tokens to the host);
+        None when the step failed at once (its requests then carry the error)."""
         t0 = time.perf_counter()
         runner = self.runner
         reqs = [req for req, _ in batch]
@@ -371,34 +439,117 @@ class Scheduler:
             lookback=torch.from_numpy(lookback),
             engram_ids=torch.from_numpy(cids),
         )
-        ph = self.phases
+        sample = [i for i, (req, n) in enumerate(zip(reqs, seq_lens)) if req.processed + n >= len(req.prompt_ids)]
+        launched = _Launched(reqs, seq_lens, slots, slot_idx, len(ids), decode_only, lookback, cids, sample, t0, ph)
+        return self._queue(launched, step)
+
+    def _launch_chained(self, prev: _Launched) -> _Launched | None:
+        """Queue the decode step after ``prev`` (:meth:`_chainable`) before ``prev``'s tokens
+        are read: its input ids are ``prev``'s argmax as it lies on the device, each
+        sequence one token further on."""
+        S = len(prev.reqs)
+        step = PackedStep(
+            prev.picks[0],  # type: ignore[index]
+            [1] * S,
+            [req.processed + 1 for req in prev.reqs],  # prev's token is in the cache once prev has run
+            prev.slots,
+            lookback=torch.from_numpy(prev.lookback),
+            engram_ids=torch.from_numpy(prev.cids),  # no Engram lookback (_chainable): the compressed ids are unused
+        )
+        launched = _Launched(
+            prev.reqs,
+            prev.seq_lens,
+            prev.slots,
+            prev.slot_idx,
+            S,
+            True,
+            prev.lookback,
+            prev.cids,
+            prev.sample,
+            time.perf_counter(),
+            chained=True,
+        )
+        self.stats["chained_steps"] += 1
+        return self._queue(launched, step)
+
+    def _queue(self, launched: _Launched, step: PackedStep) -> _Launched | None:
+        ph = launched.phases
+        reqs = launched.reqs
         try:
             if ph is not None:
                 ph.mark(SCHEDULE)
-                ph.gpu_begin(runner.device)
-            logits = runner.run(step, cids, lookback)
+                ph.gpu_begin(self.runner.device)
+            launched.logits = self.runner.run(step, launched.cids, launched.lookback)
+            if ph is None and len(launched.sample) == launched.logits.shape[0]:
+                if all(reqs[i].params.greedy for i in launched.sample):
+                    self._pick_on_device(launched)
+        except Exception as exc:  # a failed step fails its requests, never the server
+            self._fail(launched, exc)
+            return None
+        return launched
+
+    def _pick_on_device(self, launched: _Launched) -> None:
+        """The argmax and finite flag of every logits row, queued on the device (the next
+        step can take the tokens from there), and their copy to the host started."""
+        logits = launched.logits
+        both = torch.stack((torch.argmax(logits, dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
+        launched.picks = both
+        if both.is_cuda:
+            self._pick_slot ^= 1  # two steps may be in flight: each copies into its own pinned buffer
+            key = (self._pick_slot, both.shape[1])
+            host = self._pick_host.get(key)
+            if host is None:
+                host = self._pick_host[key] = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            launched.picks_host, launched.picks_ready = host, event
+
+    def _fail(self, launched: _Launched, exc: Exception) -> None:
+        log.error("step of %d sequences failed: %s", len(launched.reqs), exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        with self._cond:
+            for req in launched.reqs:
+                if req.finished:
+                    continue
+                req.error = str(exc) if isinstance(exc, EngramError) else f"{type(exc).__name__}: {exc}"
+                if req in self._running:
+                    self._running.remove(req)
+                self._finish(req, "error", emit=True)
+
+    def _complete(self, launched: _Launched) -> None:
+        """Read a launched step's tokens (waiting for the device) and hand them out: each
+        sequence's progress, lookback, output and stop. A chained step's sequence that
+        stopped at the step before (EOS, a stop string, cancelled, failed) takes nothing
+        of it: its slot's writes are past its end, and a new sequence resets the slot."""
+        ph = launched.phases
+        reqs, seq_lens, sample = launched.reqs, launched.seq_lens, launched.sample
+        try:
             if ph is not None:
                 ph.mark(FORWARD)
-                ph.gpu_wait(logits.device)
-            sample = [i for i, (req, n) in enumerate(zip(reqs, seq_lens)) if req.processed + n >= len(req.prompt_ids)]
-            tokens, finite = self._sample(logits, [reqs[i] for i in sample], sample)
+                ph.gpu_wait(launched.logits.device)
+            if launched.picks is None:
+                tokens, finite = self._sample(launched.logits, [reqs[i] for i in sample], sample)
+            else:
+                if launched.picks_ready is not None:
+                    launched.picks_ready.synchronize()
+                both = (launched.picks_host if launched.picks_host is not None else launched.picks).tolist()
+                tokens, finite = both[0], [bool(f) for f in both[1]]
             if ph is not None:
                 ph.mark(SAMPLE)
         except Exception as exc:  # a failed step fails its requests, never the server
-            log.error("step of %d sequences failed: %s", len(batch), exc, exc_info=log.isEnabledFor(logging.DEBUG))
-            with self._cond:
-                for req, _ in batch:
-                    req.error = str(exc) if isinstance(exc, EngramError) else f"{type(exc).__name__}: {exc}"
-                    if req in self._running:
-                        self._running.remove(req)
-                    self._finish(req, "error", emit=True)
+            self._fail(launched, exc)
             return
         decode_tokens = 0
         for req, n in zip(reqs, seq_lens):
+            if launched.chained and req.finished:
+                continue
             if n == 1 and req.processed >= len(req.prompt_ids):
                 decode_tokens += 1
             req.processed += n
-        self._advance_lookback(slots, slot_idx, seq_lens, decode_only, lookback, cids)
+        if not launched.chained:  # (a chained step's model has no Engram lookback: _chainable)
+            self._advance_lookback(
+                launched.slots, launched.slot_idx, seq_lens, launched.decode_only, launched.lookback, launched.cids
+            )
         now = time.perf_counter()
         with self._cond:
             for i, tok, ok in zip(sample, tokens, finite):
@@ -414,18 +565,18 @@ class Scheduler:
                 if req.first_token is None:
                     req.first_token = now
                 req.token_times.append(now)
-                self._append(req, tok)
+                self._append(req, int(tok))
             st = self.stats
             st["steps"] += 1
-            st["tokens"] += len(ids)
+            st["tokens"] += launched.num_tokens
             st["decode_tokens"] += decode_tokens
             st["prefill_tokens"] = st["tokens"] - st["decode_tokens"]
-            st["last_step_seqs"], st["last_step_tokens"] = len(batch), len(ids)
-            st["max_step_seqs"] = max(st["max_step_seqs"], len(batch))
-            st["step_s"] += time.perf_counter() - t0
+            st["last_step_seqs"], st["last_step_tokens"] = len(reqs), launched.num_tokens
+            st["max_step_seqs"] = max(st["max_step_seqs"], len(reqs))
+            st["step_s"] += time.perf_counter() - launched.t0
         if ph is not None:
             ph.mark(OUTPUT)
-            ph.end(decode_only, len(ids))
+            ph.end(launched.decode_only, launched.num_tokens)
 
     def _advance_lookback(
         self,

@@ -402,8 +402,10 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
         the host ids, one pass over the sequences' plain lists; no device read)."""
         cfg = self.config
         ids = step.input_ids
-        if ids.numel():
-            lo, hi = torch.aminmax(ids) if ids.device.type == "cpu" else torch.aminmax(ids.cpu())
+        # ids on a device are the scheduler's argmax over this model's logits (a step queued before the last
+        # one's tokens were read): in range, and not read back
+        if ids.numel() and ids.device.type == "cpu":
+            lo, hi = torch.aminmax(ids)
             lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= cfg.vocab_size:
                 bad = lo if lo < 0 else hi

@@ -1,0 +1,116 @@
+"""The scheduler's overlapped decode: a greedy decode step queued before the last step's
+tokens are read, its input ids the last step's argmax where it lies (runtime/scheduler.py,
+``_chainable`` / ``_launch_chained``).
+
+Reference: transformers 5.25's greedy ``generate`` of a tiny random DeepSeek-V4 it built
+and saved, and the same runtime with the overlap off (``ENGRAM_TRT_OVERLAP=0``). On a CPU
+the queued step's ids are the argmax tensor itself, so every model path is taken with ids
+the scheduler never read: the tokens, the stops and the slot hand-overs must be those of
+the serial loop, and the counters say the overlap did run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from helpers.deepseek_v4 import PROMPTS, hf_greedy, save_v4  # noqa: E402
+
+N = 9
+
+
+@pytest.fixture(scope="module")
+def dsv4(tmp_path_factory: Any) -> tuple[Path, list[list[int]]]:
+    folder = tmp_path_factory.mktemp("overlap") / "ck"
+    model = save_v4(folder, seed=11)
+    return folder, [hf_greedy(model, p, N) for p in PROMPTS]
+
+
+def _serve(folder: Path, params: list[Any], monkeypatch: Any, overlap: bool, **kw: Any) -> tuple[list[Any], dict]:
+    from engram_trt import LLM
+
+    monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1" if overlap else "0")
+    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32", progress=False, **kw) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.stats()
+    return [o.outputs[0] for o in outs], stats
+
+
+def _greedy(n: int = N, **kw: Any) -> Any:
+    from engram_trt import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_overlapped_decode_gives_transformers_tokens_with_no_extra_step(
+    dsv4: tuple[Path, list[list[int]]], monkeypatch: Any
+) -> None:
+    folder, want = dsv4
+    on, st_on = _serve(folder, [_greedy()] * 3, monkeypatch, overlap=True)
+    off, st_off = _serve(folder, [_greedy()] * 3, monkeypatch, overlap=False)
+    assert [list(o.token_ids) for o in on] == want
+    assert [list(o.token_ids) for o in off] == want
+    # no row computed in vain (the overlap stops one step before max_tokens): the same tokens run as
+    # the serial loop's, the prompts and N - 1 decode tokens a sequence (how the engine thread grouped
+    # the prompts that arrived one by one may differ, so the step counts are not compared)
+    tokens = sum(map(len, PROMPTS)) + 3 * (N - 1)
+    assert st_on["tokens"] == st_off["tokens"] == tokens
+    assert st_on["decode_tokens"] == st_off["decode_tokens"] == 3 * (N - 1)
+    assert st_off["chained_steps"] == 0 and st_on["chained_steps"] >= N - 4  # most decode steps queued ahead
+    assert [o.finish_reason for o in on] == ["length"] * 3
+
+
+def test_a_sequence_that_stops_under_a_queued_step_takes_nothing_of_it(
+    dsv4: tuple[Path, list[list[int]]], monkeypatch: Any
+) -> None:
+    """Sequence 0 stops on a stop id while the next step (it in it) is already queued; the
+    others go on in that step and after it, and a waiting fourth request takes the freed
+    slot (``max_batch_size`` 3) while the queued step still writes into it."""
+    folder, want = dsv4
+    k = next(k for k in range(2, N - 2) if want[0][k] not in want[0][:k])  # a stop id that first comes at k
+    params = [_greedy(stop_token_ids=(want[0][k],)), _greedy(), _greedy(), _greedy()]
+    from engram_trt import LLM
+
+    prompts = [*PROMPTS, PROMPTS[1]]
+    got = {}
+    for overlap in (True, False):
+        monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1" if overlap else "0")
+        with LLM(str(folder), backend="torch", device="cpu", dtype="fp32", progress=False, max_batch_size=3) as llm:
+            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+            got[overlap] = ([list(o.token_ids) for o in outs], [o.finish_reason for o in outs], llm.stats())
+    ids, reasons, st = got[True]
+    assert ids == [want[0][: k + 1], want[1], want[2], want[1]]
+    assert reasons == ["stop", "length", "length", "length"]
+    assert (ids, reasons) == got[False][:2]
+    assert st["chained_steps"] > 0 and got[False][2]["chained_steps"] == 0
+
+
+def test_sampled_requests_and_engram_models_are_not_queued_ahead(
+    dsv4: tuple[Path, list[list[int]]], tiny_ckpt: Path, monkeypatch: Any
+) -> None:
+    """A sampled request draws on the host from its own generator (nothing to queue
+    ahead); an Engram model's next step hashes its compressed ids on the host: both run
+    the serial loop, with the tokens they give with the overlap off."""
+    from engram_trt import SamplingParams
+
+    folder, _ = dsv4
+    hot = SamplingParams(max_tokens=N, temperature=0.8, seed=5, ignore_eos=True)
+    on, st = _serve(folder, [hot, _greedy(), _greedy()], monkeypatch, overlap=True)
+    off, _ = _serve(folder, [hot, _greedy(), _greedy()], monkeypatch, overlap=False)
+    assert [list(o.token_ids) for o in on] == [list(o.token_ids) for o in off]
+    assert st["chained_steps"] == 0
+
+    from engram_trt import LLM
+
+    monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1")
+    with LLM(str(tiny_ckpt), backend="torch", device="cpu", dtype="fp32", progress=False) as llm:
+        assert llm.runner.lookback_len > 0  # the tiny checkpoint carries Engram layers
+        a = [list(o.outputs[0].token_ids) for o in llm.generate([[5, 6, 7], [9, 8]], _greedy(6))]
+        assert llm.stats()["chained_steps"] == 0
+    monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "0")
+    with LLM(str(tiny_ckpt), backend="torch", device="cpu", dtype="fp32", progress=False) as llm:
+        assert [list(o.outputs[0].token_ids) for o in llm.generate([[5, 6, 7], [9, 8]], _greedy(6))] == a
