@@ -383,6 +383,32 @@ def test_v41_llm_graphs_equal_eager(tmp_path: Path, tables: str, mode: str) -> N
     )
 
 
+@pytest.mark.parametrize("tables,queued", [("device", True), ("file", False)])
+def test_v41_llm_overlapped_graph_steps_equal_the_serial_loop(
+    tmp_path: Path, monkeypatch: Any, tables: str, queued: bool
+) -> None:
+    """The scheduler's overlap with Engram rows: HBM tables (hashed and gathered inside the
+    graph) take the queued step, the token's compressed id gathered on the device and the
+    lookback made on the host; file tables (the prefetcher hashes on the host) do not.
+    Both give the serial loop's tokens."""
+    from engram_trt import LLM, SamplingParams
+
+    folder = _v41_folder(tmp_path)
+    ecfg = {"host_file_gather": True} if tables == "file" else {"cpu_offload": False}
+    runs = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("ENGRAM_TRT_OVERLAP", overlap)
+        kw = dict(backend="torch", device="cuda", dtype="fp32", max_batch_size=4, engram_config=ecfg)
+        with LLM(str(folder), **kw) as llm:
+            outs = llm.generate(V41_PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            runs[overlap] = [list(o.outputs[0].token_ids) for o in outs], llm.stats()["chained_steps"]
+    (got, chained), (want, _) = runs["1"], runs["0"]
+    assert got == want, f"V4.1 ({tables} tables): overlapped greedy tokens equal the serial loop's: {got} vs {want}"
+    assert (chained >= 8) if queued else (chained == 0), (
+        f"V4.1 ({tables} tables): {chained} decode steps queued ahead (want {'>= 8' if queued else 'none'})"
+    )
+
+
 def test_v4_llm_graphs_give_the_recorded_tokens() -> None:
     expected = json.loads((DATA / "expected.json").read_text())
     got, info, label = _llm_tokens(DATA, expected["prompts"], expected["new_tokens"], True)

@@ -89,28 +89,58 @@ def test_a_sequence_that_stops_under_a_queued_step_takes_nothing_of_it(
     assert st["chained_steps"] > 0 and got[False][2]["chained_steps"] == 0
 
 
-def test_sampled_requests_and_engram_models_are_not_queued_ahead(
-    dsv4: tuple[Path, list[list[int]]], tiny_ckpt: Path, monkeypatch: Any
-) -> None:
-    """A sampled request draws on the host from its own generator (nothing to queue
-    ahead); an Engram model's next step hashes its compressed ids on the host: both run
-    the serial loop, with the tokens they give with the overlap off."""
+def _both(folder: Path, prompts: list, params: list, monkeypatch: Any, **kw: Any) -> dict[bool, tuple]:
+    """(token ids, finish reasons, chained_steps) of ``prompts`` with the overlap on and off."""
+    from engram_trt import LLM
+
+    got = {}
+    for overlap in (True, False):
+        monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1" if overlap else "0")
+        with LLM(str(folder), backend="torch", device="cpu", dtype="fp32", progress=False, **kw) as llm:
+            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+            got[overlap] = [list(o.token_ids) for o in outs], [o.finish_reason for o in outs], llm.stats()
+    return got
+
+
+def test_sampled_requests_are_not_queued_ahead(dsv4: tuple[Path, list[list[int]]], monkeypatch: Any) -> None:
+    """A sampled request draws on the host from its own generator: nothing to queue ahead."""
     from engram_trt import SamplingParams
 
     folder, _ = dsv4
     hot = SamplingParams(max_tokens=N, temperature=0.8, seed=5, ignore_eos=True)
-    on, st = _serve(folder, [hot, _greedy(), _greedy()], monkeypatch, overlap=True)
-    off, _ = _serve(folder, [hot, _greedy(), _greedy()], monkeypatch, overlap=False)
-    assert [list(o.token_ids) for o in on] == [list(o.token_ids) for o in off]
-    assert st["chained_steps"] == 0
+    got = _both(folder, PROMPTS, [hot, _greedy(), _greedy()], monkeypatch)
+    assert got[True][:2] == got[False][:2]
+    assert got[True][2]["chained_steps"] == 0
 
-    from engram_trt import LLM
 
-    monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1")
-    with LLM(str(tiny_ckpt), backend="torch", device="cpu", dtype="fp32", progress=False) as llm:
-        assert llm.runner.lookback_len > 0  # the tiny checkpoint carries Engram layers
-        a = [list(o.outputs[0].token_ids) for o in llm.generate([[5, 6, 7], [9, 8]], _greedy(6))]
-        assert llm.stats()["chained_steps"] == 0
-    monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "0")
-    with LLM(str(tiny_ckpt), backend="torch", device="cpu", dtype="fp32", progress=False) as llm:
-        assert [list(o.outputs[0].token_ids) for o in llm.generate([[5, 6, 7], [9, 8]], _greedy(6))] == a
+def _v41(root: Path) -> Path:
+    import torch
+
+    from helpers.deepseek_v4 import save_v41
+
+    folder = root / "v41"
+    save_v41(folder, lambda rows, width: torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["engram-llama", "deepseek-v41"])
+def test_engram_models_queue_ahead_with_their_lookback(
+    family: str, small_ckpt: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """An Engram model's queued step carries the N-1 compressed ids before its token (the
+    last of them the step before's own input) and its token's compressed id, made where
+    the token lies: the serial loop's tokens, alone and through a stop id that hands a
+    slot to a waiting request (``max_batch_size`` 2: the stopped sequence's lookback row is
+    the new request's by then)."""
+    folder = small_ckpt if family == "engram-llama" else _v41(tmp_path)  # Engram on two of three layers each
+    prompts = [[5, 17, 33, 2, 9, 41, 7], [3, 44, 45, 9], [11, 12, 13, 14, 15, 16]]
+    plain = _both(folder, prompts, [_greedy(12)] * 3, monkeypatch)
+    assert plain[True][:2] == plain[False][:2]
+    assert plain[True][2]["chained_steps"] >= 6 and plain[False][2]["chained_steps"] == 0
+    first = plain[False][0][0]
+    k = next(k for k in range(2, 8) if first[k] not in first[:k])  # a stop id first produced at k
+    params = [_greedy(12, stop_token_ids=(first[k],)), _greedy(12), _greedy(12)]
+    handed = _both(folder, prompts, params, monkeypatch, max_batch_size=2)
+    assert handed[True][:2] == handed[False][:2]
+    assert handed[True][0][0] == first[: k + 1] and handed[True][0][1:] == plain[False][0][1:]
+    assert handed[True][2]["chained_steps"] > 0

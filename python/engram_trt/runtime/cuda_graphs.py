@@ -85,9 +85,10 @@ def fill_columns(
     layout :meth:`DecodeGraphs._buffers` names), one column per sequence: token id,
     compressed id, position (its past length), slot, length after the step, the N-1
     lookback ids; with ``pad``, columns S..G-1 as padding sequences on the ``scratch``
-    slot (position 0, length 1, compressed id 0, no lookback). Token ids on a device (a
-    step queued before the last one's tokens were read) are not read here unless the
-    compressed ids need them: the caller copies them into the device buffer."""
+    slot (position 0, length 1, compressed id 0, no lookback). Token and compressed ids
+    on a device (a step queued before the last one's tokens were read) are not read here
+    unless the compressed ids must be made from the token ids: the caller copies them into
+    the device buffer."""
     if pad:
         h[:, S:G] = 0
         h[3, S:G] = scratch
@@ -98,7 +99,8 @@ def fill_columns(
         ids = step.input_ids.numpy() if on_host else step.input_ids.cpu().numpy()
         h[0, :S] = ids
     if step.engram_ids is not None:
-        h[1, :S] = step.engram_ids.cpu().numpy()
+        if step.engram_ids.device.type == "cpu":
+            h[1, :S] = step.engram_ids.numpy()
     elif lookup is not None:
         h[1, :S] = lookup[ids]
     h[2, :S] = step.past_lens
@@ -319,6 +321,8 @@ class DecodeGraphs:
         self._event.record()
         if step.input_ids.device.type != "cpu":  # the last step's argmax, where it lies: no host read
             dev[0, :S].copy_(step.input_ids)
+        if step.engram_ids is not None and step.engram_ids.device.type != "cpu":  # and their compressed ids
+            dev[1, :S].copy_(step.engram_ids)
 
     # -- recording ------------------------------------------------------------------------
     def _static_step(self, G: int, L: int) -> PackedStep:

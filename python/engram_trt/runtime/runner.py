@@ -159,6 +159,7 @@ class ModelRunner:
         self.eos_ids = set(cfg.eos_token_ids)
         self.lookback_len = cfg.engram.max_ngram_size - 1 if cfg.engram is not None else 0
         self._lookup = source.compress_lookup
+        self._lookup_dev: torch.Tensor | None = None  # its device copy (compress_on_device)
         if self._lookup is not None and self._lookup.shape[0] < cfg.vocab_size:
             pad = np.full(cfg.vocab_size - self._lookup.shape[0], -1, dtype=np.int64)
             self._lookup = np.concatenate([self._lookup, pad])
@@ -231,12 +232,33 @@ class ModelRunner:
             return np.zeros_like(ids)
         return self._lookup[ids]
 
+    def compress_on_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """Compressed ids (int64, -1 = none) of raw ids that lie on the device, gathered
+        there (no host read): a step queued before its ids were read (the scheduler's overlap)."""
+        if self._lookup is None:
+            return torch.zeros_like(ids)
+        if self._lookup_dev is None or self._lookup_dev.device != ids.device:
+            self._lookup_dev = torch.from_numpy(self._lookup).to(ids.device)
+        return self._lookup_dev.index_select(0, ids)
+
+    def takes_device_ids(self, step: PackedStep) -> bool:
+        """Whether ``step`` may carry input and compressed ids that lie on the device,
+        unread: nothing of the step's Engram lookup is computed on the host (no Engram
+        tables, or the decode graphs hash and gather the rows themselves), or the ids are
+        in host memory anyway (a CPU run). Other paths read device ids back (correct,
+        with a wait)."""
+        if step.input_ids.device.type == "cpu" or self.prefetcher is None:
+            return True
+        return self.backend.handles_lookup(step)
+
     def reset_slot(self, slot: int) -> None:
         self.cache.reset(slot)
 
-    def run(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
+    def run(self, step: PackedStep, cids: np.ndarray | None, lookback: np.ndarray) -> torch.Tensor:
         """Logits ``[S, V]`` (float32, on the device) of each sequence's last token.
-        The Engram rows are staged first (side stream), then the backend runs."""
+        The Engram rows are staged first (side stream), then the backend runs. ``cids``:
+        the compressed ids on the host, for the prefetcher (None only for a step whose ids
+        lie on the device unread, which :meth:`takes_device_ids` admitted: no prefetch)."""
         if step.num_tokens > self.max_num_tokens:
             raise EngramError(f"a step of {step.num_tokens} tokens exceeds max_num_tokens={self.max_num_tokens}")
         rows = None

@@ -177,7 +177,7 @@ class _Launched:
     num_tokens: int
     decode_only: bool
     lookback: np.ndarray
-    cids: np.ndarray
+    cids: np.ndarray | None  # None: a chained step whose ids are not read yet
     sample: list[int]
     t0: float
     phases: StepPhases | None = None
@@ -206,9 +206,13 @@ class StepRunner(Protocol):
 
     def compress(self, ids: np.ndarray) -> np.ndarray: ...
 
+    def compress_on_device(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def takes_device_ids(self, step: PackedStep) -> bool: ...
+
     def reset_slot(self, slot: int) -> None: ...
 
-    def run(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor: ...
+    def run(self, step: PackedStep, cids: np.ndarray | None, lookback: np.ndarray) -> torch.Tensor: ...
 
 
 class Scheduler:
@@ -234,8 +238,9 @@ class Scheduler:
         self._special_ids = special_token_ids(tokenizer)  # what skip_special_tokens leaves out of the text
         self._byte_ids = byte_fallback_ids(tokenizer)  # byte tokens whose trailing run a stream holds back
         self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
-        # Queue a greedy decode step before the last one's tokens are read (_chainable); ENGRAM_TRT_OVERLAP=0: never
-        self.overlap = os.environ.get("ENGRAM_TRT_OVERLAP", "1") != "0"
+        # Queue a greedy decode step before the last one's tokens are read (_chainable): ENGRAM_TRT_OVERLAP=1, opt-in
+        # until its GPU test (tests/gpu/test_deepseek_v4_graphs.py) has passed
+        self.overlap = os.environ.get("ENGRAM_TRT_OVERLAP", "0") == "1"
         self._pick_host: dict[tuple[int, int], torch.Tensor] = {}  # pinned buffers of the tokens' copies
         self._pick_slot = 0
         self.stats = {
@@ -356,20 +361,23 @@ class Scheduler:
                 with self._cond:
                     chain = self._chainable(inflight)
             nxt = self._launch_chained(inflight) if chain else None
-            self._complete(inflight)
+            tokens = self._complete(inflight)
+            if nxt is not None and nxt.cids is None and tokens is not None:
+                nxt.cids = self.runner.compress(np.asarray(tokens, dtype=np.int64))  # nxt's input ids, now read
             inflight = nxt
 
     def _chainable(self, prev: _Launched) -> bool:
         """Whether the next step can be queued before ``prev``'s tokens are read (called
         under the lock): overlap on, no phases timed, ``prev`` a decode step of greedy
-        sequences whose tokens were taken on the device, that step's sequences the whole
-        running set (none prefilling, none cancelled, none that would reach its
-        ``max_tokens`` with ``prev``'s token), no request waiting for a free slot, and a
-        model whose next step needs nothing of the tokens on the host (no Engram lookback:
-        its hashes are computed here from the compressed ids)."""
+        sequences whose tokens were taken on the device and whose own input ids are known
+        here (the next step's Engram lookback ends with them), that step's sequences the
+        whole running set (none prefilling, none cancelled, none that would reach its
+        ``max_tokens`` with ``prev``'s token), and no request waiting for a free slot.
+        (:meth:`_launch_chained` still declines where the runner would compute the
+        Engram lookup on the host.)"""
         if not self.overlap or self.phases is not None or prev.picks is None or not prev.decode_only:
             return False
-        if self._cancels or (self._waiting and self._free_slots) or self.runner.lookback_len:
+        if prev.cids is None or self._cancels or (self._waiting and self._free_slots):
             return False
         if len(prev.reqs) != len(self._running) or set(map(id, prev.reqs)) != set(map(id, self._running)):
             return False
@@ -445,17 +453,35 @@ class Scheduler:
 
     def _launch_chained(self, prev: _Launched) -> _Launched | None:
         """Queue the decode step after ``prev`` (:meth:`_chainable`) before ``prev``'s tokens
-        are read: its input ids are ``prev``'s argmax as it lies on the device, each
-        sequence one token further on."""
+        are read: its input ids are ``prev``'s argmax as it lies on the device (their
+        compressed ids gathered there), each sequence one token further on, its Engram
+        lookback ``prev``'s shifted by ``prev``'s own compressed ids (known here). None
+        when the runner would read the ids on the host for the lookup (then ``prev`` is
+        read first and the next step planned as usual). The step's host ids and compressed
+        ids are filled in once ``prev``'s tokens are read (:meth:`_loop`); on a CPU they
+        are read at once (no wait)."""
+        runner = self.runner
         S = len(prev.reqs)
+        ids = prev.picks[0]  # type: ignore[index]
+        n = prev.lookback.shape[1]
+        lookback = np.concatenate([prev.lookback, prev.cids[:, None]], axis=1)[:, 1:] if n else prev.lookback  # type: ignore[index]
+        host_ids = cids = None
+        if ids.device.type == "cpu":
+            host_ids = ids.numpy().copy()
+            cids = runner.compress(host_ids)
+            engram_ids = torch.from_numpy(cids)
+        else:
+            engram_ids = runner.compress_on_device(ids)
         step = PackedStep(
-            prev.picks[0],  # type: ignore[index]
+            ids,
             [1] * S,
             [req.processed + 1 for req in prev.reqs],  # prev's token is in the cache once prev has run
             prev.slots,
-            lookback=torch.from_numpy(prev.lookback),
-            engram_ids=torch.from_numpy(prev.cids),  # no Engram lookback (_chainable): the compressed ids are unused
+            lookback=torch.from_numpy(lookback),
+            engram_ids=engram_ids,
         )
+        if not runner.takes_device_ids(step):
+            return None
         launched = _Launched(
             prev.reqs,
             prev.seq_lens,
@@ -463,8 +489,8 @@ class Scheduler:
             prev.slot_idx,
             S,
             True,
-            prev.lookback,
-            prev.cids,
+            lookback,
+            cids,
             prev.sample,
             time.perf_counter(),
             chained=True,
@@ -516,7 +542,7 @@ class Scheduler:
                     self._running.remove(req)
                 self._finish(req, "error", emit=True)
 
-    def _complete(self, launched: _Launched) -> None:
+    def _complete(self, launched: _Launched) -> list[int] | None:
         """Read a launched step's tokens (waiting for the device) and hand them out: each
         sequence's progress, lookback, output and stop. A chained step's sequence that
         stopped at the step before (EOS, a stop string, cancelled, failed) takes nothing
@@ -538,7 +564,7 @@ class Scheduler:
                 ph.mark(SAMPLE)
         except Exception as exc:  # a failed step fails its requests, never the server
             self._fail(launched, exc)
-            return
+            return None
         decode_tokens = 0
         for req, n in zip(reqs, seq_lens):
             if launched.chained and req.finished:
@@ -546,9 +572,17 @@ class Scheduler:
             if n == 1 and req.processed >= len(req.prompt_ids):
                 decode_tokens += 1
             req.processed += n
-        if not launched.chained:  # (a chained step's model has no Engram lookback: _chainable)
+        if launched.cids is None:
+            pass  # a chained step whose step before failed: its requests failed with it
+        elif not launched.chained:
             self._advance_lookback(
                 launched.slots, launched.slot_idx, seq_lens, launched.decode_only, launched.lookback, launched.cids
+            )
+        elif self._lookback.shape[1]:
+            # only the sequences still running: a stopped one's slot may be a new request's already
+            live = np.array([not req.finished for req in reqs])
+            self._advance_lookback(
+                [], launched.slot_idx[live], [1] * int(live.sum()), True, launched.lookback[live], launched.cids[live]
             )
         now = time.perf_counter()
         with self._cond:
@@ -577,6 +611,7 @@ class Scheduler:
         if ph is not None:
             ph.mark(OUTPUT)
             ph.end(launched.decode_only, launched.num_tokens)
+        return tokens
 
     def _advance_lookback(
         self,
