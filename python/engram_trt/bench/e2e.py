@@ -375,6 +375,7 @@ def engram_serve(folder: Path, opts: E2eOptions) -> dict[str, Any]:
             "ratio_to_one": r.get("ratio_to_one"),
             "steady_decode_tokens_per_s": r.get("steady_decode_tokens_per_s"),
             "mean_seqs_per_step": r.get("mean_seqs_per_step"),
+            "chained_steps": r.get("chained_steps"),
         }
         for n, r in (serve.get("levels") or {}).items()
     }
