@@ -443,16 +443,17 @@ def test_v4_llm_overlapped_graph_steps_give_the_recorded_tokens(monkeypatch: Any
             chained = llm.stats()["chained_steps"]
         with LLM(str(DATA), backend="torch", device="cuda", dtype="fp32", max_batch_size=2) as llm:
             outs = llm.generate([prompts[1], prompts[0], prompts[1]], [stop, greedy, greedy])
-            handover = [list(o.outputs[0].token_ids) for o in outs], llm.stats()["chained_steps"]
+            st = llm.stats()
+            handover = [list(o.outputs[0].token_ids) for o in outs], (st["chained_steps"], st["chained_stopped_rows"])
         runs[overlap] = plain, chained, handover
     (plain, chained, (handed, chained2)), (_, off_chained, (handed_off, _)) = runs["1"], runs["0"]
     assert plain == want, f"V4 tiny, overlapped graph steps: transformers' recorded greedy tokens: {plain}"
     assert chained >= n - 4 and off_chained == 0, (
         f"decode steps queued before the last one's tokens were read: {chained} of {n - 1} (overlap off: {off_chained})"
     )
-    assert handed == handed_off == [want[1][: k + 1], want[0], want[1]] and chained2 > 0, (
+    assert handed == handed_off == [want[1][: k + 1], want[0], want[1]] and chained2[0] > 0 and chained2[1] == 1, (
         f"a stop under a queued step and its slot handed over: {handed} (overlap off {handed_off}, want "
-        f"{[want[1][: k + 1], want[0], want[1]]}); {chained2} steps queued ahead"
+        f"{[want[1][: k + 1], want[0], want[1]]}); (steps queued ahead, stopped rows in them) {chained2}"
     )
 
 

@@ -1,12 +1,17 @@
 """The scheduler's overlapped decode: a greedy decode step queued before the last step's
 tokens are read, its input ids the last step's argmax where it lies (runtime/scheduler.py,
-``_chainable`` / ``_launch_chained``).
+``_chainable`` / ``_launch_chained`` / ``_complete``).
 
 Reference: transformers 5.25's greedy ``generate`` of a tiny random DeepSeek-V4 it built
 and saved, and the same runtime with the overlap off (``ENGRAM_TRT_OVERLAP=0``). On a CPU
-the queued step's ids are the argmax tensor itself, so every model path is taken with ids
-the scheduler never read: the tokens, the stops and the slot hand-overs must be those of
-the serial loop, and the counters say the overlap did run.
+the queued step takes the same path as on a GPU up to the device itself: its compressed
+ids are gathered from the argmax tensor (``compress_on_device``) and its host compressed ids
+filled in only when the step before is read; but the CPU's tensors are readable at once
+and its steps run in order, so the copies into the decode graphs' buffers, the pinned
+copies and their events are the GPU tests' (tests/gpu/test_deepseek_v4_graphs.py). The
+tokens, the stops and the slot hand-overs must be those of the serial loop, and the
+counters say the overlap did run (``chained_steps``) and a sequence did stop under a
+queued step (``chained_stopped_rows``).
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ def test_a_sequence_that_stops_under_a_queued_step_takes_nothing_of_it(
     assert reasons == ["stop", "length", "length", "length"]
     assert (ids, reasons) == got[False][:2]
     assert st["chained_steps"] > 0 and got[False][2]["chained_steps"] == 0
+    assert st["chained_stopped_rows"] == 1  # sequence 0 stopped with a step queued after it
+    assert st["tokens"] == got[False][2]["tokens"]  # its row of that step is not counted
 
 
 def _both(folder: Path, prompts: list, params: list, monkeypatch: Any, **kw: Any) -> dict[bool, tuple]:
@@ -143,4 +150,28 @@ def test_engram_models_queue_ahead_with_their_lookback(
     handed = _both(folder, prompts, params, monkeypatch, max_batch_size=2)
     assert handed[True][:2] == handed[False][:2]
     assert handed[True][0][0] == first[: k + 1] and handed[True][0][1:] == plain[False][0][1:]
-    assert handed[True][2]["chained_steps"] > 0
+    assert handed[True][2]["chained_steps"] > 0 and handed[True][2]["chained_stopped_rows"] == 1
+
+
+def test_a_queued_step_that_fails_to_launch_runs_after_the_step_before(
+    dsv4: tuple[Path, list[list[int]]], monkeypatch: Any
+) -> None:
+    """A step that could not be queued ahead (here: the runner's check raises twice) runs as
+    the serial loop's next step: no request fails, the step before's tokens are all
+    delivered, the tokens are transformers'."""
+    from engram_trt.runtime.runner import ModelRunner
+
+    folder, want = dsv4
+    fails = {"left": 2}
+    takes = ModelRunner.takes_device_ids
+
+    def flaky(self: Any, step: Any) -> bool:
+        if fails["left"]:
+            fails["left"] -= 1
+            raise RuntimeError("launch failed")
+        return takes(self, step)
+
+    monkeypatch.setattr(ModelRunner, "takes_device_ids", flaky)
+    on, st = _serve(folder, [_greedy()] * 3, monkeypatch, overlap=True)
+    assert [list(o.token_ids) for o in on] == want and [o.finish_reason for o in on] == ["length"] * 3
+    assert fails["left"] == 0 and st["chained_steps"] >= N - 6

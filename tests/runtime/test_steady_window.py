@@ -54,9 +54,9 @@ def _counting(monkeypatch: Any) -> dict[str, int]:
     complete, update = scheduler.Scheduler._complete, detokenize.IncrementalText.update
     finish = scheduler.Scheduler._finish
 
-    def counted_complete(self: Any, launched: Any) -> None:  # every step's tokens are handed out here
+    def counted_complete(self: Any, launched: Any) -> Any:  # every step's tokens are handed out here
         counts["steps"] += 1
-        complete(self, launched)
+        return complete(self, launched)
 
     def counted_update(self: Any) -> Any:
         counts["updates"] += 1

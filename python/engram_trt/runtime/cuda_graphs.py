@@ -318,7 +318,7 @@ class DecodeGraphs:
         if pad:
             self._padded[G] = S
         dev.copy_(host, non_blocking=True)
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(self.device))  # the stream the copy went on (this device's)
         if step.input_ids.device.type != "cpu":  # the last step's argmax, where it lies: no host read
             dev[0, :S].copy_(step.input_ids)
         if step.engram_ids is not None and step.engram_ids.device.type != "cpu":  # and their compressed ids

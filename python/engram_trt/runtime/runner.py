@@ -257,12 +257,19 @@ class ModelRunner:
     def run(self, step: PackedStep, cids: np.ndarray | None, lookback: np.ndarray) -> torch.Tensor:
         """Logits ``[S, V]`` (float32, on the device) of each sequence's last token.
         The Engram rows are staged first (side stream), then the backend runs. ``cids``:
-        the compressed ids on the host, for the prefetcher (None only for a step whose ids
-        lie on the device unread, which :meth:`takes_device_ids` admitted: no prefetch)."""
+        the compressed ids on the host, for the prefetcher (None for a step queued before its
+        ids were read: made from the step's own, which :meth:`takes_device_ids` admits only
+        where the prefetcher does not run or they are in host memory)."""
         if step.num_tokens > self.max_num_tokens:
             raise EngramError(f"a step of {step.num_tokens} tokens exceeds max_num_tokens={self.max_num_tokens}")
         rows = None
         if self.prefetcher is not None and not self.backend.handles_lookup(step):
+            if cids is None:  # a queued step's compressed ids, made where its ids lie (a CPU's: read at once)
+                cids = (
+                    step.engram_ids.cpu().numpy()
+                    if step.engram_ids is not None
+                    else self.compress(step.input_ids.cpu().numpy())
+                )
             rows = self.prefetcher.submit(step, cids, lookback)
         if self.phases is not None:
             self.phases.mark(LOOKUP)

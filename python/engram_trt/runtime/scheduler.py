@@ -186,6 +186,14 @@ class _Launched:
     picks: torch.Tensor | None = None
     picks_host: torch.Tensor | None = None
     picks_ready: Any = None  # a torch.cuda.Event
+    successor: _Launched | None = None  # the step queued after this one before its tokens were read
+
+
+def _settle(launched: _Launched) -> None:
+    """Wait until a launched step's device work has run (the runner may be released next)."""
+    logits = launched.logits
+    if isinstance(logits, torch.Tensor) and logits.is_cuda:
+        torch.cuda.current_stream(logits.device).synchronize()
 
 
 class StepRunner(Protocol):
@@ -254,6 +262,7 @@ class Scheduler:
             "last_step_tokens": 0,
             "step_s": 0.0,
             "chained_steps": 0,
+            "chained_stopped_rows": 0,
         }
 
     # -- admission (any thread) ---------------------------------------------------------
@@ -338,6 +347,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         inflight: _Launched | None = None  # a step queued on the device whose tokens are not read yet
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)  # the current device is per thread: this one's streams and events
         while True:
             ph = self.phases
             if ph is not None and inflight is None:
@@ -346,6 +357,8 @@ class Scheduler:
                 self._reap_cancelled()
                 self._admit()
                 if self._stop:
+                    if inflight is not None:
+                        _settle(inflight)  # nothing of the runner is released under a queued step (close() follows)
                     return
                 if inflight is None and not self._running and not self._waiting:
                     self._cond.wait()
@@ -361,9 +374,7 @@ class Scheduler:
                 with self._cond:
                     chain = self._chainable(inflight)
             nxt = self._launch_chained(inflight) if chain else None
-            tokens = self._complete(inflight)
-            if nxt is not None and nxt.cids is None and tokens is not None:
-                nxt.cids = self.runner.compress(np.asarray(tokens, dtype=np.int64))  # nxt's input ids, now read
+            self._complete(inflight)
             inflight = nxt
 
     def _chainable(self, prev: _Launched) -> bool:
@@ -453,66 +464,74 @@ class Scheduler:
 
     def _launch_chained(self, prev: _Launched) -> _Launched | None:
         """Queue the decode step after ``prev`` (:meth:`_chainable`) before ``prev``'s tokens
-        are read: its input ids are ``prev``'s argmax as it lies on the device (their
-        compressed ids gathered there), each sequence one token further on, its Engram
-        lookback ``prev``'s shifted by ``prev``'s own compressed ids (known here). None
-        when the runner would read the ids on the host for the lookup (then ``prev`` is
-        read first and the next step planned as usual). The step's host ids and compressed
-        ids are filled in once ``prev``'s tokens are read (:meth:`_loop`); on a CPU they
-        are read at once (no wait)."""
+        are read: its input ids are ``prev``'s argmax as it lies on the device, their
+        compressed ids gathered there (:meth:`ModelRunner.compress_on_device`), each
+        sequence one token further on, its Engram lookback ``prev``'s shifted by ``prev``'s
+        own compressed ids (known here). The step's host compressed ids are filled in when
+        ``prev``'s tokens are read (:meth:`_complete`). None where the runner would read the
+        ids on the host for the lookup, or the launch failed: then ``prev`` is read first
+        and the next step planned as usual (a failure that lasts fails that step)."""
         runner = self.runner
         S = len(prev.reqs)
-        ids = prev.picks[0]  # type: ignore[index]
-        n = prev.lookback.shape[1]
-        lookback = np.concatenate([prev.lookback, prev.cids[:, None]], axis=1)[:, 1:] if n else prev.lookback  # type: ignore[index]
-        host_ids = cids = None
-        if ids.device.type == "cpu":
-            host_ids = ids.numpy().copy()
-            cids = runner.compress(host_ids)
-            engram_ids = torch.from_numpy(cids)
-        else:
-            engram_ids = runner.compress_on_device(ids)
-        step = PackedStep(
-            ids,
-            [1] * S,
-            [req.processed + 1 for req in prev.reqs],  # prev's token is in the cache once prev has run
-            prev.slots,
-            lookback=torch.from_numpy(lookback),
-            engram_ids=engram_ids,
-        )
-        if not runner.takes_device_ids(step):
+        try:
+            ids = prev.picks[0]  # type: ignore[index]
+            n = prev.lookback.shape[1]
+            lookback = (
+                np.concatenate([prev.lookback, prev.cids[:, None]], axis=1)[:, 1:]  # type: ignore[index]
+                if n
+                else prev.lookback
+            )
+            step = PackedStep(
+                ids,
+                [1] * S,
+                [req.processed + 1 for req in prev.reqs],  # prev's token is in the cache once prev has run
+                prev.slots,
+                lookback=torch.from_numpy(lookback),
+                engram_ids=runner.compress_on_device(ids),
+            )
+            if not runner.takes_device_ids(step):
+                return None
+            launched = _Launched(
+                prev.reqs,
+                prev.seq_lens,
+                prev.slots,
+                prev.slot_idx,
+                S,
+                True,
+                lookback,
+                None,
+                prev.sample,
+                time.perf_counter(),
+                chained=True,
+            )
+            self._run_step(launched, step)
+        except Exception as exc:  # the serial loop runs this step again after prev, and reports what still fails
+            log.debug("queueing a decode step ahead failed (%s); it runs after the step before", exc, exc_info=True)
             return None
-        launched = _Launched(
-            prev.reqs,
-            prev.seq_lens,
-            prev.slots,
-            prev.slot_idx,
-            S,
-            True,
-            lookback,
-            cids,
-            prev.sample,
-            time.perf_counter(),
-            chained=True,
-        )
+        prev.successor = launched
         self.stats["chained_steps"] += 1
-        return self._queue(launched, step)
+        return launched
 
     def _queue(self, launched: _Launched, step: PackedStep) -> _Launched | None:
-        ph = launched.phases
-        reqs = launched.reqs
         try:
-            if ph is not None:
-                ph.mark(SCHEDULE)
-                ph.gpu_begin(self.runner.device)
-            launched.logits = self.runner.run(step, launched.cids, launched.lookback)
-            if ph is None and len(launched.sample) == launched.logits.shape[0]:
-                if all(reqs[i].params.greedy for i in launched.sample):
-                    self._pick_on_device(launched)
+            self._run_step(launched, step)
         except Exception as exc:  # a failed step fails its requests, never the server
             self._fail(launched, exc)
             return None
         return launched
+
+    def _run_step(self, launched: _Launched, step: PackedStep) -> None:
+        """Run ``step`` on the runner into ``launched``; with the overlap on and no phases
+        timed, a step whose every row samples greedily has its argmax taken on the device
+        at once (:meth:`_pick_on_device`)."""
+        ph = launched.phases
+        if ph is not None:
+            ph.mark(SCHEDULE)
+            ph.gpu_begin(self.runner.device)
+        launched.logits = self.runner.run(step, launched.cids, launched.lookback)
+        if self.overlap and ph is None and len(launched.sample) == launched.logits.shape[0]:
+            if all(launched.reqs[i].params.greedy for i in launched.sample):
+                self._pick_on_device(launched)
 
     def _pick_on_device(self, launched: _Launched) -> None:
         """The argmax and finite flag of every logits row, queued on the device (the next
@@ -526,9 +545,10 @@ class Scheduler:
             host = self._pick_host.get(key)
             if host is None:
                 host = self._pick_host[key] = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
+            stream = torch.cuda.current_stream(both.device)
             host.copy_(both, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(stream)
             launched.picks_host, launched.picks_ready = host, event
 
     def _fail(self, launched: _Launched, exc: Exception) -> None:
@@ -542,11 +562,13 @@ class Scheduler:
                     self._running.remove(req)
                 self._finish(req, "error", emit=True)
 
-    def _complete(self, launched: _Launched) -> list[int] | None:
+    def _complete(self, launched: _Launched) -> None:
         """Read a launched step's tokens (waiting for the device) and hand them out: each
-        sequence's progress, lookback, output and stop. A chained step's sequence that
+        sequence's progress, lookback, output and stop; the step queued after it (its
+        ``successor``) learns its input ids' compressed ids. A chained step's sequence that
         stopped at the step before (EOS, a stop string, cancelled, failed) takes nothing
-        of it: its slot's writes are past its end, and a new sequence resets the slot."""
+        of it: its slot's writes are past its end, a new sequence resets the slot, and
+        its lookback row is left alone (counted in ``chained_stopped_rows``)."""
         ph = launched.phases
         reqs, seq_lens, sample = launched.reqs, launched.seq_lens, launched.sample
         try:
@@ -562,27 +584,41 @@ class Scheduler:
                 tokens, finite = both[0], [bool(f) for f in both[1]]
             if ph is not None:
                 ph.mark(SAMPLE)
+            nxt = launched.successor
+            if nxt is not None:  # the step queued after this one takes these tokens as its input ids
+                nxt.cids = self.runner.compress(np.asarray(tokens, dtype=np.int64))
+            live = [not (launched.chained and req.finished) for req in reqs]
+            if launched.chained and launched.cids is None and any(live):
+                raise EngramError("internal: a queued step's input ids were never read")
         except Exception as exc:  # a failed step fails its requests, never the server
             self._fail(launched, exc)
-            return None
+            return
         decode_tokens = 0
-        for req, n in zip(reqs, seq_lens):
-            if launched.chained and req.finished:
+        for req, n, ok in zip(reqs, seq_lens, live):
+            if not ok:
                 continue
             if n == 1 and req.processed >= len(req.prompt_ids):
                 decode_tokens += 1
             req.processed += n
-        if launched.cids is None:
-            pass  # a chained step whose step before failed: its requests failed with it
-        elif not launched.chained:
+        if not launched.chained:
             self._advance_lookback(
-                launched.slots, launched.slot_idx, seq_lens, launched.decode_only, launched.lookback, launched.cids
+                launched.slots,
+                launched.slot_idx,
+                seq_lens,
+                launched.decode_only,
+                launched.lookback,
+                launched.cids,  # type: ignore[arg-type]
             )
-        elif self._lookback.shape[1]:
+        elif self._lookback.shape[1] and any(live):
             # only the sequences still running: a stopped one's slot may be a new request's already
-            live = np.array([not req.finished for req in reqs])
+            rows = np.asarray(live)
             self._advance_lookback(
-                [], launched.slot_idx[live], [1] * int(live.sum()), True, launched.lookback[live], launched.cids[live]
+                [],
+                launched.slot_idx[rows],
+                [1] * int(rows.sum()),
+                True,
+                launched.lookback[rows],
+                launched.cids[rows],  # type: ignore[index]
             )
         now = time.perf_counter()
         with self._cond:
@@ -600,18 +636,22 @@ class Scheduler:
                     req.first_token = now
                 req.token_times.append(now)
                 self._append(req, int(tok))
+            ran = launched.num_tokens if not launched.chained else sum(live)  # a stopped row's token is not counted
             st = self.stats
             st["steps"] += 1
-            st["tokens"] += launched.num_tokens
+            st["tokens"] += ran
             st["decode_tokens"] += decode_tokens
             st["prefill_tokens"] = st["tokens"] - st["decode_tokens"]
-            st["last_step_seqs"], st["last_step_tokens"] = len(reqs), launched.num_tokens
+            st["chained_stopped_rows"] += len(reqs) - sum(live)
+            st["last_step_seqs"], st["last_step_tokens"] = len(reqs), ran
             st["max_step_seqs"] = max(st["max_step_seqs"], len(reqs))
-            st["step_s"] += time.perf_counter() - launched.t0
+            done = time.perf_counter()
+            st["step_s"] += done - launched.t0
+            if launched.successor is not None:
+                launched.successor.t0 = done  # its host time starts here: step_s sums no interval twice
         if ph is not None:
             ph.mark(OUTPUT)
             ph.end(launched.decode_only, launched.num_tokens)
-        return tokens
 
     def _advance_lookback(
         self,
