@@ -240,6 +240,12 @@ def test_format_kernel_profile_rows() -> None:
     assert rows[0].split()[0] == SHORT[GEMM]  # the GEMM: most of every step
 
 
+def test_format_kernel_profile_names_a_batch_step() -> None:
+    """A step of several sequences (bench e2e --breakdown-streams) says how many."""
+    p = dict(_profile([r for s in _steps() for r in s], 4), sequences=12)
+    assert format_kernel_profile(p)[0].startswith("kernels of one decode step of 12 sequences (graph, mean of 4): ")
+
+
 def test_format_kernel_profile_cuts_at_25() -> None:
     records = [(f"void k{i:02d}(float*)", 100.0 * i, 1.0 + i) for i in range(30)]
     p = _profile(records, 1)

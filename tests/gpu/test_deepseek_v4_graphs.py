@@ -555,6 +555,12 @@ def test_kernel_profile_records_the_graphs_kernels(which: str) -> None:
         f"{which}: the kernels run inside the step's CUDA-event span: busy {p['busy_ms']:.4f} ms, span "
         f"{p['span_ms']:.4f} ms, step {p['step_ms']:.4f} ms"
     )
+    many = decode_kernel_profile(folder, device="cuda", dtype="bf16", prompt_tokens=8, reps=3, seqs=12)
+    say("\n".join(format_kernel_profile(many)))
+    assert many.get("mode") == "graph" and many.get("sequences") == 12 and many["busy_ms"] > 0, (
+        f"{which}: a step of 12 sequences (bench e2e --breakdown-streams 12) replayed and profiled: mode "
+        f"{many.get('mode')}; {many.get('skipped', '')}"
+    )
 
 
 # -- 7. the ~1.6B shape against transformers, float32 ------------------------------------------

@@ -177,19 +177,24 @@ def _family(model: Any) -> str:
     return "deepseek-v4" if name.startswith("Deepseek") else ("qwen4-exp" if name.startswith("Qwen4") else name)
 
 
-def _graphs_for(model: Any, cache: Any, backend: Any) -> Any:
-    """A recorder of one-sequence decode steps over ``cache`` (slot 1 the scratch), as the
-    torch backend makes them; None where the model has none."""
-    if getattr(cache, "num_slots", 0) < 2 or not model.supports_decode_graphs:
+def _graphs_for(model: Any, cache: Any, backend: Any, seqs: int = 1) -> Any:
+    """A recorder of ``seqs``-sequence decode steps over ``cache`` (slot ``seqs`` the
+    scratch), as the torch backend makes them; None where the model has none."""
+    if getattr(cache, "num_slots", 0) < seqs + 1 or not model.supports_decode_graphs:
         return None
-    own = model.decode_graphs(cache, 1, scratch_slot=1)  # the model's own recorder (Qwen4Exp), else the runtime's
+    own = model.decode_graphs(cache, seqs, scratch_slot=seqs)  # the model's own recorder (Qwen4Exp), else the runtime's
     if own is not None:
         return own
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
     policy = backend.lookup_policy
     return DecodeGraphs(
-        model, cache, 1, scratch_slot=1, tables=model.tables, lookup_policy=(lambda n: policy(n)) if policy else None
+        model,
+        cache,
+        seqs,
+        scratch_slot=seqs,
+        tables=model.tables,
+        lookup_policy=(lambda n: policy(n)) if policy else None,
     )
 
 
@@ -200,15 +205,22 @@ def _prompt_token(i: int, vocab: int) -> int:
 
 @contextmanager
 def _one_sequence(
-    folder: Any, *, device: str, dtype: str, max_len: int, what: str
+    folder: Any, *, device: str, dtype: str, max_len: int, what: str, seqs: int = 1
 ) -> Iterator[tuple[Any, Any, Any, str] | dict[str, Any]]:
-    """``(model, cache, graphs, family)`` of ``folder`` on the torch backend for one sequence
-    of at most ``max_len`` tokens (``graphs``: :func:`_graphs_for`, None off CUDA), or the
-    ``{"skipped": ...}`` of a model ``what`` (the breakdown, the kernel profile) does not time."""
+    """``(model, cache, graphs, family)`` of ``folder`` on the torch backend for ``seqs``
+    sequences (one by default) of at most ``max_len`` tokens in slots 0..seqs-1 (``graphs``:
+    :func:`_graphs_for`, None off CUDA), or the ``{"skipped": ...}`` of a model ``what``
+    (the breakdown, the kernel profile) does not time."""
     from engram_trt import LLM
 
     with LLM(
-        str(folder), backend="torch", device=device, dtype=dtype, max_batch_size=1, max_seq_len=max_len, progress=False
+        str(folder),
+        backend="torch",
+        device=device,
+        dtype=dtype,
+        max_batch_size=seqs,
+        max_seq_len=max_len,
+        progress=False,
     ) as llm:
         backend = llm.runner.backend
         model = backend.model
@@ -218,21 +230,23 @@ def _one_sequence(
         elif model.config.engram is not None:
             yield {"skipped": "V4.1's staged rows need the runtime's prefetcher: time a V4 folder"}
         else:
-            cache = model.new_cache(2, max_len)
-            graphs = _graphs_for(model, cache, backend) if model.device.type == "cuda" else None
+            cache = model.new_cache(seqs + 1, max_len)
+            graphs = _graphs_for(model, cache, backend, seqs) if model.device.type == "cuda" else None
             yield model, cache, graphs, family
 
 
-def _prefill(model: Any, cache: Any, prompt_tokens: int) -> int:
-    """The made prompt of ``prompt_tokens`` tokens (:func:`_prompt_token`) prefilled into slot
-    0 of ``cache``; returns the model's vocabulary size."""
+def _prefill(model: Any, cache: Any, prompt_tokens: int, seqs: int = 1) -> int:
+    """The made prompt of ``prompt_tokens`` tokens (:func:`_prompt_token`) prefilled into slots
+    0..seqs-1 of ``cache`` (one packed step); returns the model's vocabulary size."""
     import torch
 
     from engram_trt.models.step import PackedStep
 
     vocab = int(model.config.vocab_size)
     prompt = [_prompt_token(i, vocab) for i in range(prompt_tokens)]
-    model.forward_step(PackedStep(torch.tensor(prompt), [prompt_tokens], [0], [0]), cache)
+    model.forward_step(
+        PackedStep(torch.tensor(prompt * seqs), [prompt_tokens] * seqs, [0] * seqs, list(range(seqs))), cache
+    )
     return vocab
 
 
@@ -512,15 +526,17 @@ def decode_kernel_profile(
     prompt_tokens: int,
     reps: int,
     max_seq_len: int | None = None,
+    seqs: int = 1,
 ) -> dict[str, Any]:
-    """The GPU work of ``reps`` decode steps of one sequence after a prompt of
-    ``prompt_tokens``, as the CUDA profiler records it (module docstring): the steps of
-    :func:`decode_breakdown` (the model's recorded step, eager where it has none) with no
-    events inside, after two warm-up steps (the first records the graph). The decode
-    tokens are the made prompt's sequence continued (no argmax between the steps: its
-    kernels would count), and the steps sleep 2 ms apart so that
-    :func:`summarize_kernels` tells them apart. ``step_ms``: the median of the profiled
-    steps' CUDA-event spans around the whole call (the input copies and the replay)."""
+    """The GPU work of ``reps`` decode steps of ``seqs`` sequences (one by default; ``bench
+    e2e --breakdown-streams``) after a prompt of ``prompt_tokens`` each, as the CUDA profiler
+    records it (module docstring): the steps of :func:`decode_breakdown` (the model's
+    recorded step, eager where it has none) with no events inside, after two warm-up
+    steps (the first records the graph). The decode tokens are the made prompt's sequence
+    continued (no argmax between the steps: its kernels would count), and the steps sleep
+    2 ms apart so that :func:`summarize_kernels` tells them apart. ``step_ms``: the median
+    of the profiled steps' CUDA-event spans around the whole call (the input copies and
+    the replay)."""
     import torch
 
     from engram_trt.models.step import PackedStep
@@ -531,16 +547,18 @@ def decode_kernel_profile(
 
     tries = 3  # a window in which a new graph was recorded (a new context bucket) is run again
     max_len = max_seq_len or prompt_tokens + 2 + tries * reps + 8
-    with _one_sequence(folder, device=device, dtype=dtype, max_len=max_len, what="kernel profile") as got:
+    with _one_sequence(folder, device=device, dtype=dtype, max_len=max_len, what="kernel profile", seqs=seqs) as got:
         if isinstance(got, dict):
             return got
         model, cache, graphs, family = got
-        vocab = _prefill(model, cache, prompt_tokens)
+        vocab = _prefill(model, cache, prompt_tokens, seqs)
         state: dict[str, Any] = {"past": prompt_tokens, "graphs": graphs, "mode": "graph" if graphs else "eager"}
 
         def step() -> float:
             past = state["past"]
-            s = PackedStep(torch.tensor([_prompt_token(past, vocab)]), [1], [past], [0])
+            s = PackedStep(
+                torch.tensor([_prompt_token(past, vocab)] * seqs), [1] * seqs, [past] * seqs, list(range(seqs))
+            )
             _, ms, off = _timed_step(model, cache, state["graphs"], s)
             if off is not None:
                 state["mode"], state["graphs"] = off, None
@@ -569,6 +587,7 @@ def decode_kernel_profile(
     return {
         "family": family,
         "mode": state["mode"],
+        "sequences": seqs,
         "steps": reps,
         "step_ms": statistics.median(totals),
         **summarize_kernels(records, reps),
@@ -581,8 +600,10 @@ def format_kernel_profile(p: dict[str, Any], top: int = 25) -> list[str]:
     if "skipped" in p:
         return [f"kernel profile: skipped ({p['skipped']})"]
     busy = p["busy_ms"]
+    seqs = f" of {p['sequences']} sequences" if p.get("sequences", 1) > 1 else ""
     lines = [
-        f"kernels of one decode step ({p['mode']}, mean of {p['steps']}): step {p['step_ms']:.3f} ms (CUDA events), "
+        f"kernels of one decode step{seqs} ({p['mode']}, mean of {p['steps']}): "
+        f"step {p['step_ms']:.3f} ms (CUDA events), "
         f"kernels busy {busy:.3f} ms, first start to last end {p['span_ms']:.3f} ms, idle {p['idle_ms']:.3f} ms",
         f"  {'kernel':{SHORT_NAME_CHARS}} {'calls':>7} {'ms':>8} {'us each':>8} {'busy':>6}",
     ]

@@ -103,6 +103,12 @@ class E2eOptions:
         help="also profile one graphed decode step's kernels (DeepSeek-V4, Qwen4Exp): each kernel's own GPU "
         "time a step as the CUDA profiler records it, no events in the step; the busy time and the gaps",
     )
+    breakdown_streams: int = opt(
+        1,
+        argtype=("int_arg", 1, 256),
+        help="the sequences of the step --breakdown-kernels profiles (a batch of decode streams, as bench serve's "
+        "levels; default: %(default)s)",
+    )
     breakdown_reps: int = opt(
         5,
         argtype=("int_arg", 1, 1000),
@@ -470,7 +476,12 @@ def bench_folder(folder: Path, shape: str, opts: E2eOptions, limits: dict[str, f
         from engram_trt.bench.breakdown import decode_kernel_profile
 
         res["kernel_profile"] = decode_kernel_profile(
-            folder, device=opts.device, dtype=opts.dtype, prompt_tokens=opts.prompt_tokens, reps=opts.breakdown_reps
+            folder,
+            device=opts.device,
+            dtype=opts.dtype,
+            prompt_tokens=opts.prompt_tokens,
+            reps=opts.breakdown_reps,
+            seqs=opts.breakdown_streams,
         )
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
