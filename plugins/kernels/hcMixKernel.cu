@@ -25,6 +25,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace engram_trt
 {
@@ -136,6 +137,125 @@ __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
 #endif
 }
 
+// The split form (ENGRAM_TRT_HC_MIX_SPLIT=1; opt-in until tests/gpu/test_qwen4_fused.py has passed with it): a warp
+// per (channel d, stream h) instead of a warp per channel walking the hc streams one after the other, so a channel's
+// hc rows of `up` are read by hc warps at once (hc times the loads in flight, and no warp waits on hc dependent
+// reads). Each (t, h) product is the lanes' same sums in the same order, the same butterfly and roundings; the hc
+// products of a channel land in shared memory and one thread sums them in h order: the bits of hcMixKernel.
+constexpr int kSplitThreads = 256;
+constexpr int kSplitWarps = kSplitThreads / 32;
+
+__global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
+{
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+    extern __shared__ float smem[]; // act [T][rank], then each warp's products [kSplitWarps][max tokens]
+    int const T = static_cast<int>(a.num_tokens);
+    int const r = a.rank;
+    float* const act = smem;
+    float* const prod = smem + T * r;
+    waitForPrimary(); // down_out, normed and the logits come from the kernels before
+    allowDependents();
+    float const hc = static_cast<float>(a.hc);
+    auto const* const down = static_cast<__nv_bfloat16 const*>(a.down_out);
+    for (int i = threadIdx.x; i < T * r; i += kSplitThreads)
+    {
+        int const t = i / r;
+        float const s = roundBf16(__fdiv_rn(__bfloat162float(down[t * a.down_out_stride + (i - t * r)]), hc));
+        act[i] = roundBf16(s / (1.0F + expf(-s)));
+    }
+    if (blockIdx.x == 0 && a.inject_logits != nullptr)
+    {
+        auto const* const logits = static_cast<__nv_bfloat16 const*>(a.inject_logits);
+        auto* const inject = static_cast<__nv_bfloat16*>(a.inject);
+        for (int i = threadIdx.x; i < T * a.hc; i += kSplitThreads)
+        {
+            int64_t const at = static_cast<int64_t>(i / a.hc) * a.inject_stride + i % a.hc;
+            float const q = roundBf16(__fdiv_rn(__bfloat162float(logits[at]), hc));
+            inject[i] = __float2bfloat16_rn(2.0F * roundBf16(sigmoidOf(q)));
+        }
+    }
+    __syncthreads();
+    int const warp = threadIdx.x >> 5;
+    int const lane = threadIdx.x & 31;
+    int const perBlock = kSplitWarps / a.hc; // channels a block serves (hc <= kSplitWarps)
+    int const local = warp / a.hc;
+    int const h = warp - local * a.hc;
+    int const d = blockIdx.x * perBlock + local;
+    if (local < perBlock && d < a.hidden) // the whole warp or none of it
+    {
+        int const vectors = r / 8;
+        int64_t const row = static_cast<int64_t>(h) * a.hidden + d;
+        auto const* const w = reinterpret_cast<uint4 const*>(static_cast<__nv_bfloat16 const*>(a.up) + row * r);
+        auto const* const normed = static_cast<__nv_bfloat16 const*>(a.normed);
+        float acc[ENGRAM_HC_MIX_MAX_TOKENS];
+#pragma unroll
+        for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
+        {
+            acc[t] = 0.0F;
+        }
+        for (int v = lane; v < vectors; v += 32)
+        {
+            float wf[8];
+            unpack8Pairs<__nv_bfloat162>(loadStreaming(w + v), wf);
+#pragma unroll
+            for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
+            {
+                if (t < T)
+                {
+                    float4 const x0 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v);
+                    float4 const x1 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v + 4);
+                    float const xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                    {
+                        acc[t] = fmaf(wf[i], xf[i], acc[t]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
+        {
+            if (t < T)
+            {
+                float const u = roundBf16(warpSum(acc[t]));
+                float const g = roundBf16(sigmoidOf(u));
+                float const x = __bfloat162float(normed[t * a.normed_stride + row]);
+                if (lane == 0)
+                {
+                    prod[warp * ENGRAM_HC_MIX_MAX_TOKENS + t] = roundBf16(__fmul_rn(g, x));
+                }
+            }
+        }
+    }
+    __syncthreads();
+    auto* const mixed = static_cast<__nv_bfloat16*>(a.mixed);
+    float const invHc = 1.0F / hc;
+    for (int i = threadIdx.x; i < perBlock * T; i += kSplitThreads) // a thread per (channel, token)
+    {
+        int const c = i / T;
+        int const t = i - c * T;
+        int const dd = blockIdx.x * perBlock + c;
+        if (dd < a.hidden)
+        {
+            float sum = 0.0F;
+            for (int s = 0; s < a.hc; ++s)
+            {
+                sum = __fadd_rn(sum, prod[(c * a.hc + s) * ENGRAM_HC_MIX_MAX_TOKENS + t]);
+            }
+            mixed[static_cast<int64_t>(t) * a.hidden + dd] = __float2bfloat16_rn(__fmul_rn(sum, invHc));
+        }
+    }
+#endif
+}
+
+//! ENGRAM_TRT_HC_MIX_SPLIT=1: the split form (read at each launch: a graph records the one its capture took).
+bool splitChosen()
+{
+    char const* const text = std::getenv("ENGRAM_TRT_HC_MIX_SPLIT");
+    return text != nullptr && text[0] == '1' && text[1] == '\0';
+}
+
 } // namespace
 
 } // namespace kernels
@@ -209,9 +329,17 @@ extern "C" ENGRAM_API int engram_hc_mix_bf16(EngramHcMix const* args, cudaStream
         return fail(
             cudaErrorNotSupported, "%s: needs a GPU of compute capability 9.0 or later (this one is %d.x)", fn, major);
     }
-    unsigned const blocks = static_cast<unsigned>((a.hidden + kMixWarps - 1) / kMixWarps);
     size_t const shared = static_cast<size_t>(a.num_tokens) * a.rank * sizeof(float);
     resetLaunchError();
+    size_t const products = static_cast<size_t>(kSplitWarps) * ENGRAM_HC_MIX_MAX_TOKENS * sizeof(float);
+    if (a.hc <= kSplitWarps && shared + products <= 48 * 1024 && splitChosen()) // (within the default shared limit)
+    {
+        int const perBlock = kSplitWarps / a.hc;
+        unsigned const blocks = static_cast<unsigned>((a.hidden + perBlock - 1) / perBlock);
+        launchDependent(hcMixSplitKernel, dim3(blocks), dim3(kSplitThreads), shared + products, stream, a);
+        return checkLaunch(fn);
+    }
+    unsigned const blocks = static_cast<unsigned>((a.hidden + kMixWarps - 1) / kMixWarps);
     launchDependent(hcMixKernel, dim3(blocks), dim3(kMixThreads), shared, stream, a);
     return checkLaunch(fn);
 }

@@ -312,6 +312,36 @@ def test_hc_mix_equals_the_module(rng, D, hc, rank, inject, T) -> None:
         assert got_inj is None
 
 
+@pytest.mark.parametrize(
+    "D,hc,rank,T",
+    [(2048, 4, 320, 1), (2048, 4, 320, 8), (96, 3, 24, 16), (64, 8, 760, 16), (40, 5, 16, 3), (33, 1, 8, 2)],
+)
+def test_hc_mix_split_form_gives_the_same_bits(rng, monkeypatch, D, hc, rank, T) -> None:
+    """ENGRAM_TRT_HC_MIX_SPLIT=1 (a warp per channel and stream, hcMixKernel.cu's split form)
+    against the default form on the same inputs: the same bits, mixed and injection weights
+    (the same sums in the same order); (64, 8, 760, 16) fills the shared memory the split form
+    may take, odd hc leave warps of a block idle, D not a multiple of the channels a block serves."""
+    import torch
+
+    from engram_trt.native import decode
+
+    c = _conn(D, hc, rank, True, rng)
+    streams = cuda_normal(rng, (T, hc * D), 1.0, "bfloat16")
+    with torch.no_grad():
+        normed = c.hc_norm(streams)
+        z = c.input_mix_weight_down(normed)
+        logits = c.block_inject_weight(normed)
+        monkeypatch.delenv("ENGRAM_TRT_HC_MIX_SPLIT", raising=False)
+        want = decode.hc_mix(z, c.input_mix_weight_up.weight, normed, logits, hc=hc)
+        monkeypatch.setenv("ENGRAM_TRT_HC_MIX_SPLIT", "1")
+        got = decode.hc_mix(z, c.input_mix_weight_up.weight, normed, logits, hc=hc)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (
+        f"D {D} hc {hc} rank {rank} T {T}: split form's mix differs from the default form's in "
+        f"{int((got[0] != want[0]).sum())} of {want[0].numel()} values"
+    )
+
+
 def test_fused_mix_equals_the_module(rng) -> None:
     """The whole fused mix (norm, one GEMV launch, hc_mix) against GatedResidual's PyTorch
     form: within the bf16 round-off of the two products' sum order (8u, 3%, relative L2
