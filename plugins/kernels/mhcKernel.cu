@@ -34,6 +34,10 @@
  *                registers, sums through shuffles), post / comb written (fp32), then the
  *                collapse, rounded once to the io type; engram_mhc_pre_norm /
  *                engram_mhc_head_norm then RMS-normalize it in place (the layer's norm).
+ *                ENGRAM_TRT_MHC_SPLIT_FINALIZE=1 (opt-in until tests/gpu/test_mhc.py has
+ *                run with it): a layer's finalize in two blocks a token, post / comb (the
+ *                ~40 dependent Sinkhorn rounds) beside the collapse instead of before it;
+ *                the same bits.
  *   3. post:     a thread per (token, 8 channels): all hc streams of its channels read
  *                before any is written, so new_streams may be streams (in place). post
  *                and comb are rounded to the io type first, as the reference's
@@ -51,6 +55,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 namespace engram_trt
 {
@@ -392,14 +397,20 @@ __global__ void __launch_bounds__(kMhcThreads)
     __syncthreads();
     int64_t const width = static_cast<int64_t>(hc) * hidden;
     float const r = rsqrtf(mix[rows] / static_cast<float>(width) + normEps);
+    // gridDim.y 2 (a layer's finalize with ENGRAM_TRT_MHC_SPLIT_FINALIZE=1): blockIdx.y 0 the pre weights, the
+    // collapse and its norm (what the next kernel reads first), 1 post and comb, whose ~40 dependent Sinkhorn rounds
+    // then run beside the collapse on another SM instead of before it (only the next sublayer's expansion reads
+    // them). Both sum the same partials in the same order: every output keeps its bits. gridDim.y 1: one block both.
+    bool const split = gridDim.y > 1;
+    int const role = split ? static_cast<int>(blockIdx.y) : 0;
     if (threadIdx.x < 32)
     {
         float const s0 = scale[0];
-        if (lane < hc)
+        if (lane < hc && role == 0)
         {
             pre[lane] = sigmoidOf(mix[lane] * r * s0 + base[lane]) + hcEps;
         }
-        if (head == 0)
+        if (head == 0 && (!split || role == 1))
         {
             float const s1 = scale[1];
             float const s2 = scale[2];
@@ -452,6 +463,10 @@ __global__ void __launch_bounds__(kMhcThreads)
                 comb[t * entries + e] = matrix[e];
             }
         }
+    }
+    if (role == 1)
+    {
+        return; // the whole block: no barrier follows for it
     }
     __syncthreads();
     IoT const* xt = x + t * width;
@@ -918,10 +933,15 @@ int launchFinalize(CollapseLaunch const& a, int64_t splits)
 {
     int64_t const wanted = (a.hidden / 8 + 31) / 32 * 32;
     unsigned const threads = static_cast<unsigned>(wanted < kMhcThreads ? wanted : kMhcThreads);
+    // (token, role): two roles for a layer's finalize with ENGRAM_TRT_MHC_SPLIT_FINALIZE=1 (the kernel's comment;
+    // read at each launch: a graph records the grid its capture took), else one block a token does both
+    char const* const env = std::getenv("ENGRAM_TRT_MHC_SPLIT_FINALIZE");
+    bool const split = a.head == 0 && env != nullptr && env[0] == '1' && env[1] == '\0';
+    dim3 const grid(static_cast<unsigned>(a.numTokens), split ? 2U : 1U);
     resetLaunchError();
-    launchDependent(mhcFinalizeKernel<IoT>, dim3(static_cast<unsigned>(a.numTokens)), dim3(threads), 0, a.stream,
-        static_cast<IoT const*>(a.streams), a.partial, splits, a.base, a.scale, a.numTokens, a.hc, a.hidden, a.iters,
-        a.hcEps, a.normEps, a.head, a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
+    launchDependent(mhcFinalizeKernel<IoT>, grid, dim3(threads), 0, a.stream, static_cast<IoT const*>(a.streams),
+        a.partial, splits, a.base, a.scale, a.numTokens, a.hc, a.hidden, a.iters, a.hcEps, a.normEps, a.head,
+        a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
     return checkLaunch("engram_mhc (finalize)");
 }
 

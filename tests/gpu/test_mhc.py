@@ -121,6 +121,39 @@ def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
 
 
 @pytest.mark.parametrize("dname", DTYPES)
+@pytest.mark.parametrize("ci", range(len(CASES)))
+def test_split_finalize_gives_the_same_bits(rng, monkeypatch, dname, ci) -> None:
+    """ENGRAM_TRT_MHC_SPLIT_FINALIZE=1 (a layer's finalize in two blocks a token: the pre
+    weights, the collapse and its norm in one, post and comb with their Sinkhorn rounds in the
+    other) against one block a token, on the same inputs: mhc_pre, mhc_pre_norm and the fold
+    give the same bits (both blocks sum the same partials in the same order)."""
+    import torch
+
+    from engram_trt.models.deepseek_v4.modules import HyperConnection
+    from engram_trt.native import mhc
+
+    hc, D, iters, T = CASES[ci]
+    dtype = getattr(torch, dname)
+    m = _randomize(torch, HyperConnection(_config(hc, D, iters)), rng)
+    x = torch.from_numpy((rng.standard_normal((T, hc, D)) * 1.5).astype(np.float32)).to("cuda", dtype)
+    y = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32)).to("cuda", dtype)
+    w = torch.from_numpy((1 + 0.3 * rng.standard_normal(D)).astype(np.float32)).to("cuda")
+    kw = dict(sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS)
+    got = {}
+    for split in ("0", "1"):
+        monkeypatch.setenv("ENGRAM_TRT_MHC_SPLIT_FINALIZE", split)
+        with torch.no_grad():
+            pre = mhc.mhc_pre(x, m.fn, m.base, m.scale, **kw)
+            normed = mhc.mhc_pre_norm(x, m.fn, m.base, m.scale, w, rms_eps=EPS, **kw)
+            post, comb = pre[1], pre[2]
+            fold = mhc.mhc_fold(x.clone(), y, post, comb, m.fn, m.base, m.scale, norm_weight=w, rms_eps=EPS, **kw)
+        torch.cuda.synchronize()
+        got[split] = [*pre, *normed, *fold]
+    same = [bool(torch.equal(a, b)) for a, b in zip(got["0"], got["1"])]
+    assert all(same), f"hc {hc} D {D} iters {iters} T {T} {dname}: the split finalize's outputs, bit for bit: {same}"
+
+
+@pytest.mark.parametrize("dname", DTYPES)
 @pytest.mark.parametrize("hc,D,T", [(2, 64, 5), (4, 2048, 1), (4, 512, 300), (8, 128, 4)])
 def test_head_matches_the_torch_module(rng, dname, hc, D, T) -> None:
     import torch
