@@ -144,6 +144,31 @@ __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
 // products of a channel land in shared memory and one thread sums them in h order: the bits of hcMixKernel.
 constexpr int kSplitThreads = 256;
 constexpr int kSplitWarps = kSplitThreads / 32;
+constexpr int kSplitEarly = 2; // vectors of up a lane loads before the wait (rank <= 512: the whole row)
+
+//! One 16-byte vector v of a row of up against every token's activations: acc[t] += w . act[t] (lane sums in k
+//! order, the default form's arithmetic).
+__device__ __forceinline__ void mixVector(
+    uint4 raw, int v, float const* act, int T, int r, float (&acc)[ENGRAM_HC_MIX_MAX_TOKENS])
+{
+    float wf[8];
+    unpack8Pairs<__nv_bfloat162>(raw, wf);
+#pragma unroll
+    for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
+    {
+        if (t < T)
+        {
+            float4 const x0 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v);
+            float4 const x1 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v + 4);
+            float const xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                acc[t] = fmaf(wf[i], xf[i], acc[t]);
+            }
+        }
+    }
+}
 
 __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
 {
@@ -153,15 +178,35 @@ __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
     int const r = a.rank;
     float* const act = smem;
     float* const prod = smem + T * r;
+    int const warp = threadIdx.x >> 5;
+    int const lane = threadIdx.x & 31;
+    int const perBlock = kSplitWarps / a.hc; // channels a block serves (hc <= kSplitWarps)
+    int const local = warp / a.hc;
+    int const h = warp - local * a.hc;
+    int const d = blockIdx.x * perBlock + local;
+    bool const mine = local < perBlock && d < a.hidden; // the whole warp or none of it
+    int const vectors = r / 8;
+    int64_t const row = static_cast<int64_t>(h) * a.hidden + d;
+    auto const* const w = reinterpret_cast<uint4 const*>(static_cast<__nv_bfloat16 const*>(a.up) + row * r);
+    // up is a weight (nothing in the step writes it): the row's first vectors are loaded before the wait for the
+    // kernel before (dependentLaunch.cuh), so their latency overlaps its tail and the prologue below
+    uint4 early[kSplitEarly];
+#pragma unroll
+    for (int j = 0; j < kSplitEarly; ++j)
+    {
+        early[j] = mine && lane + 32 * j < vectors ? loadStreaming(w + lane + 32 * j) : make_uint4(0, 0, 0, 0);
+    }
     waitForPrimary(); // down_out, normed and the logits come from the kernels before
     allowDependents();
     float const hc = static_cast<float>(a.hc);
     auto const* const down = static_cast<__nv_bfloat16 const*>(a.down_out);
-    for (int i = threadIdx.x; i < T * r; i += kSplitThreads)
+    for (int t = 0; t < T; ++t)
     {
-        int const t = i / r;
-        float const s = roundBf16(__fdiv_rn(__bfloat162float(down[t * a.down_out_stride + (i - t * r)]), hc));
-        act[i] = roundBf16(s / (1.0F + expf(-s)));
+        for (int k = threadIdx.x; k < r; k += kSplitThreads)
+        {
+            float const s = roundBf16(__fdiv_rn(__bfloat162float(down[t * a.down_out_stride + k]), hc));
+            act[t * r + k] = roundBf16(s / (1.0F + expf(-s)));
+        }
     }
     if (blockIdx.x == 0 && a.inject_logits != nullptr)
     {
@@ -175,17 +220,8 @@ __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
         }
     }
     __syncthreads();
-    int const warp = threadIdx.x >> 5;
-    int const lane = threadIdx.x & 31;
-    int const perBlock = kSplitWarps / a.hc; // channels a block serves (hc <= kSplitWarps)
-    int const local = warp / a.hc;
-    int const h = warp - local * a.hc;
-    int const d = blockIdx.x * perBlock + local;
-    if (local < perBlock && d < a.hidden) // the whole warp or none of it
+    if (mine)
     {
-        int const vectors = r / 8;
-        int64_t const row = static_cast<int64_t>(h) * a.hidden + d;
-        auto const* const w = reinterpret_cast<uint4 const*>(static_cast<__nv_bfloat16 const*>(a.up) + row * r);
         auto const* const normed = static_cast<__nv_bfloat16 const*>(a.normed);
         float acc[ENGRAM_HC_MIX_MAX_TOKENS];
 #pragma unroll
@@ -193,25 +229,17 @@ __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
         {
             acc[t] = 0.0F;
         }
-        for (int v = lane; v < vectors; v += 32)
+#pragma unroll
+        for (int j = 0; j < kSplitEarly; ++j) // v = lane, lane + 32, ...: the default form's order
         {
-            float wf[8];
-            unpack8Pairs<__nv_bfloat162>(loadStreaming(w + v), wf);
-#pragma unroll
-            for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
+            if (lane + 32 * j < vectors)
             {
-                if (t < T)
-                {
-                    float4 const x0 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v);
-                    float4 const x1 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v + 4);
-                    float const xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                    {
-                        acc[t] = fmaf(wf[i], xf[i], acc[t]);
-                    }
-                }
+                mixVector(early[j], lane + 32 * j, act, T, r, acc);
             }
+        }
+        for (int v = lane + 32 * kSplitEarly; v < vectors; v += 32)
+        {
+            mixVector(loadStreaming(w + v), v, act, T, r, acc);
         }
 #pragma unroll
         for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
