@@ -347,8 +347,6 @@ class Scheduler:
 
     def _loop(self) -> None:
         inflight: _Launched | None = None  # a step queued on the device whose tokens are not read yet
-        if self.runner.device.type == "cuda":
-            torch.cuda.set_device(self.runner.device)  # the current device is per thread: this one's streams and events
         while True:
             ph = self.phases
             if ph is not None and inflight is None:
@@ -545,10 +543,11 @@ class Scheduler:
             host = self._pick_host.get(key)
             if host is None:
                 host = self._pick_host[key] = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
-            stream = torch.cuda.current_stream(both.device)
-            host.copy_(both, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+            with torch.cuda.device(both.device):  # (the engine thread's current device may be another GPU)
+                stream = torch.cuda.current_stream(both.device)
+                host.copy_(both, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
             launched.picks_host, launched.picks_ready = host, event
 
     def _fail(self, launched: _Launched, exc: Exception) -> None:
