@@ -138,7 +138,7 @@ class Qwen4ExpDecodeGraphs:
         context = cache.context.numpy()  # the state's host array itself
         ctx = fill_host(self._host_np[G], ids_np, step.past_lens, step.slots, context, self.scratch, cache.eos_id)
         dev.copy_(host, non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copy went on (this device's)
         if model.config.ple is not None:
             if self.lookup_in_graph:
                 context[np.asarray(step.slots, dtype=np.int64)] = next_context(ctx, ids_np, np.arange(S + 1))
