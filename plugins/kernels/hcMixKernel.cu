@@ -38,6 +38,69 @@ namespace
 constexpr int kMixThreads = 256;
 constexpr int kMixWarps = kMixThreads / 32;
 
+//! Both forms' prologue over a block's Threads threads: act [T][rank] = bf(silu(bf(down_out / hc))) into shared
+//! memory for every token of the step, and in block 0 the injection weights 2 * bf(sigmoid(bf(inject_logits / hc))).
+template <int Threads>
+__device__ __forceinline__ void mixPrologue(EngramHcMix const& a, float* act)
+{
+    int const T = static_cast<int>(a.num_tokens);
+    int const r = a.rank;
+    float const hc = static_cast<float>(a.hc);
+    auto const* const down = static_cast<__nv_bfloat16 const*>(a.down_out);
+    for (int t = 0; t < T; ++t)
+    {
+        for (int k = threadIdx.x; k < r; k += Threads)
+        {
+            float const s = roundBf16(__fdiv_rn(__bfloat162float(down[t * a.down_out_stride + k]), hc));
+            act[t * r + k] = roundBf16(s / (1.0F + expf(-s)));
+        }
+    }
+    if (blockIdx.x == 0 && a.inject_logits != nullptr)
+    {
+        auto const* const logits = static_cast<__nv_bfloat16 const*>(a.inject_logits);
+        auto* const inject = static_cast<__nv_bfloat16*>(a.inject);
+        for (int i = threadIdx.x; i < T * a.hc; i += Threads)
+        {
+            int64_t const at = static_cast<int64_t>(i / a.hc) * a.inject_stride + i % a.hc;
+            float const q = roundBf16(__fdiv_rn(__bfloat162float(logits[at]), hc));
+            inject[i] = __float2bfloat16_rn(2.0F * roundBf16(sigmoidOf(q)));
+        }
+    }
+}
+
+//! One 16-byte vector v of a row of up against every token's activations: acc[t] += w . act[t] (a lane's sums in k
+//! order).
+__device__ __forceinline__ void mixVector(
+    uint4 raw, int v, float const* act, int T, int r, float (&acc)[ENGRAM_HC_MIX_MAX_TOKENS])
+{
+    float wf[8];
+    unpack8Pairs<__nv_bfloat162>(raw, wf);
+#pragma unroll
+    for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
+    {
+        if (t < T)
+        {
+            float4 const x0 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v);
+            float4 const x1 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v + 4);
+            float const xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                acc[t] = fmaf(wf[i], xf[i], acc[t]);
+            }
+        }
+    }
+}
+
+//! A (token, stream) term of the mix from a warp's lane sums: bf(bf(sigmoid(bf(u))) * x), u their warp sum, x the
+//! normed stream's value.
+__device__ __forceinline__ float mixTerm(float laneSum, float x)
+{
+    float const u = roundBf16(warpSum(laneSum));
+    float const g = roundBf16(sigmoidOf(u));
+    return roundBf16(__fmul_rn(g, x));
+}
+
 __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
 {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -46,32 +109,14 @@ __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
     allowDependents();
     int const T = static_cast<int>(a.num_tokens);
     int const r = a.rank;
-    float const hc = static_cast<float>(a.hc);
-    auto const* const down = static_cast<__nv_bfloat16 const*>(a.down_out);
-    for (int i = threadIdx.x; i < T * r; i += kMixThreads)
-    {
-        int const t = i / r;
-        float const s = roundBf16(__fdiv_rn(__bfloat162float(down[t * a.down_out_stride + (i - t * r)]), hc));
-        act[i] = roundBf16(s / (1.0F + expf(-s)));
-    }
-    if (blockIdx.x == 0 && a.inject_logits != nullptr)
-    {
-        auto const* const logits = static_cast<__nv_bfloat16 const*>(a.inject_logits);
-        auto* const inject = static_cast<__nv_bfloat16*>(a.inject);
-        for (int i = threadIdx.x; i < T * a.hc; i += kMixThreads)
-        {
-            int64_t const at = static_cast<int64_t>(i / a.hc) * a.inject_stride + i % a.hc;
-            float const q = roundBf16(__fdiv_rn(__bfloat162float(logits[at]), hc));
-            inject[i] = __float2bfloat16_rn(2.0F * roundBf16(sigmoidOf(q)));
-        }
-    }
+    mixPrologue<kMixThreads>(a, act);
     __syncthreads();
     int const lane = threadIdx.x & 31;
     int const vectors = r / 8;
     auto const* const up = static_cast<__nv_bfloat16 const*>(a.up);
     auto const* const normed = static_cast<__nv_bfloat16 const*>(a.normed);
     auto* const mixed = static_cast<__nv_bfloat16*>(a.mixed);
-    float const invHc = 1.0F / hc;
+    float const invHc = 1.0F / static_cast<float>(a.hc);
     for (int d = blockIdx.x * kMixWarps + (threadIdx.x >> 5); d < a.hidden; d += gridDim.x * kMixWarps)
     {
         float sum[ENGRAM_HC_MIX_MAX_TOKENS];
@@ -92,33 +137,14 @@ __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
             }
             for (int v = lane; v < vectors; v += 32)
             {
-                float wf[8];
-                unpack8Pairs<__nv_bfloat162>(loadStreaming(w + v), wf);
-#pragma unroll
-                for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
-                {
-                    if (t < T)
-                    {
-                        float4 const x0 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v);
-                        float4 const x1 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v + 4);
-                        float const xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                        for (int i = 0; i < 8; ++i)
-                        {
-                            acc[t] = fmaf(wf[i], xf[i], acc[t]);
-                        }
-                    }
-                }
+                mixVector(loadStreaming(w + v), v, act, T, r, acc);
             }
 #pragma unroll
             for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
             {
                 if (t < T)
                 {
-                    float const u = roundBf16(warpSum(acc[t]));
-                    float const g = roundBf16(sigmoidOf(u));
-                    float const x = __bfloat162float(normed[t * a.normed_stride + row]);
-                    sum[t] = __fadd_rn(sum[t], roundBf16(__fmul_rn(g, x)));
+                    sum[t] = __fadd_rn(sum[t], mixTerm(acc[t], __bfloat162float(normed[t * a.normed_stride + row])));
                 }
             }
         }
@@ -145,30 +171,6 @@ __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
 constexpr int kSplitThreads = 256;
 constexpr int kSplitWarps = kSplitThreads / 32;
 constexpr int kSplitEarly = 2; // vectors of up a lane loads before the wait (rank <= 512: the whole row)
-
-//! One 16-byte vector v of a row of up against every token's activations: acc[t] += w . act[t] (lane sums in k
-//! order, the default form's arithmetic).
-__device__ __forceinline__ void mixVector(
-    uint4 raw, int v, float const* act, int T, int r, float (&acc)[ENGRAM_HC_MIX_MAX_TOKENS])
-{
-    float wf[8];
-    unpack8Pairs<__nv_bfloat162>(raw, wf);
-#pragma unroll
-    for (int t = 0; t < ENGRAM_HC_MIX_MAX_TOKENS; ++t)
-    {
-        if (t < T)
-        {
-            float4 const x0 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v);
-            float4 const x1 = *reinterpret_cast<float4 const*>(act + t * r + 8 * v + 4);
-            float const xf[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-            {
-                acc[t] = fmaf(wf[i], xf[i], acc[t]);
-            }
-        }
-    }
-}
 
 __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
 {
@@ -198,27 +200,7 @@ __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
     }
     waitForPrimary(); // down_out, normed and the logits come from the kernels before
     allowDependents();
-    float const hc = static_cast<float>(a.hc);
-    auto const* const down = static_cast<__nv_bfloat16 const*>(a.down_out);
-    for (int t = 0; t < T; ++t)
-    {
-        for (int k = threadIdx.x; k < r; k += kSplitThreads)
-        {
-            float const s = roundBf16(__fdiv_rn(__bfloat162float(down[t * a.down_out_stride + k]), hc));
-            act[t * r + k] = roundBf16(s / (1.0F + expf(-s)));
-        }
-    }
-    if (blockIdx.x == 0 && a.inject_logits != nullptr)
-    {
-        auto const* const logits = static_cast<__nv_bfloat16 const*>(a.inject_logits);
-        auto* const inject = static_cast<__nv_bfloat16*>(a.inject);
-        for (int i = threadIdx.x; i < T * a.hc; i += kSplitThreads)
-        {
-            int64_t const at = static_cast<int64_t>(i / a.hc) * a.inject_stride + i % a.hc;
-            float const q = roundBf16(__fdiv_rn(__bfloat162float(logits[at]), hc));
-            inject[i] = __float2bfloat16_rn(2.0F * roundBf16(sigmoidOf(q)));
-        }
-    }
+    mixPrologue<kSplitThreads>(a, act);
     __syncthreads();
     if (mine)
     {
@@ -246,19 +228,17 @@ __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
         {
             if (t < T)
             {
-                float const u = roundBf16(warpSum(acc[t]));
-                float const g = roundBf16(sigmoidOf(u));
-                float const x = __bfloat162float(normed[t * a.normed_stride + row]);
+                float const term = mixTerm(acc[t], __bfloat162float(normed[t * a.normed_stride + row]));
                 if (lane == 0)
                 {
-                    prod[warp * ENGRAM_HC_MIX_MAX_TOKENS + t] = roundBf16(__fmul_rn(g, x));
+                    prod[warp * ENGRAM_HC_MIX_MAX_TOKENS + t] = term;
                 }
             }
         }
     }
     __syncthreads();
     auto* const mixed = static_cast<__nv_bfloat16*>(a.mixed);
-    float const invHc = 1.0F / hc;
+    float const invHc = 1.0F / static_cast<float>(a.hc);
     for (int i = threadIdx.x; i < perBlock * T; i += kSplitThreads) // a thread per (channel, token)
     {
         int const c = i / T;
