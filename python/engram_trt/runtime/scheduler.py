@@ -76,10 +76,20 @@ def steady_decode(token_times: list[float], warmup: int = WARMUP_DECODE_STEPS) -
     return out
 
 
+def _picks(logits: torch.Tensor) -> torch.Tensor:
+    """``[2, S]`` int64 where the logits lie: each row's argmax, and whether the row is all finite."""
+    return torch.stack((torch.argmax(logits, dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
+
+
+def _read_picks(picks: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """:func:`_picks`' tokens and finite flags as host lists (one copy)."""
+    both = picks.tolist()
+    return both[0], [bool(f) for f in both[1]]
+
+
 def _argmax_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     """Each row's argmax and whether the row is all finite, read in one copy."""
-    both = torch.stack((torch.argmax(logits, dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64))).tolist()
-    return both[0], [bool(f) for f in both[1]]
+    return _read_picks(_picks(logits))
 
 
 def nonfinite_message(position: int) -> str:
@@ -534,9 +544,7 @@ class Scheduler:
     def _pick_on_device(self, launched: _Launched) -> None:
         """The argmax and finite flag of every logits row, queued on the device (the next
         step can take the tokens from there), and their copy to the host started."""
-        logits = launched.logits
-        both = torch.stack((torch.argmax(logits, dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)))
-        launched.picks = both
+        both = launched.picks = _picks(launched.logits)
         if both.is_cuda:
             self._pick_slot ^= 1  # two steps may be in flight: each copies into its own pinned buffer
             key = (self._pick_slot, both.shape[1])
@@ -579,8 +587,7 @@ class Scheduler:
             else:
                 if launched.picks_ready is not None:
                     launched.picks_ready.synchronize()
-                both = (launched.picks_host if launched.picks_host is not None else launched.picks).tolist()
-                tokens, finite = both[0], [bool(f) for f in both[1]]
+                tokens, finite = _read_picks(launched.picks_host if launched.picks_host is not None else launched.picks)
             if ph is not None:
                 ph.mark(SAMPLE)
             nxt = launched.successor
@@ -599,7 +606,7 @@ class Scheduler:
             if n == 1 and req.processed >= len(req.prompt_ids):
                 decode_tokens += 1
             req.processed += n
-        if not launched.chained:
+        if all(live):
             self._advance_lookback(
                 launched.slots,
                 launched.slot_idx,
@@ -608,8 +615,8 @@ class Scheduler:
                 launched.lookback,
                 launched.cids,  # type: ignore[arg-type]
             )
-        elif self._lookback.shape[1] and any(live):
-            # only the sequences still running: a stopped one's slot may be a new request's already
+        elif any(live):
+            # a queued decode step: only the sequences still running (a stopped one's slot may be a new request's)
             rows = np.asarray(live)
             self._advance_lookback(
                 [],
