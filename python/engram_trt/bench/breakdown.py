@@ -204,7 +204,7 @@ def _prompt_token(i: int, vocab: int) -> int:
 
 
 @contextmanager
-def _one_sequence(
+def _sequences(
     folder: Any, *, device: str, dtype: str, max_len: int, what: str, seqs: int = 1
 ) -> Iterator[tuple[Any, Any, Any, str] | dict[str, Any]]:
     """``(model, cache, graphs, family)`` of ``folder`` on the torch backend for ``seqs``
@@ -290,7 +290,7 @@ def decode_breakdown(
     if torch.device(device).type != "cuda":
         return {"skipped": "no CUDA device (the breakdown times CUDA events)"}
     max_len = max_seq_len or prompt_tokens + reps + 8
-    with _one_sequence(folder, device=device, dtype=dtype, max_len=max_len, what="breakdown") as got:
+    with _sequences(folder, device=device, dtype=dtype, max_len=max_len, what="breakdown") as got:
         if isinstance(got, dict):
             return got
         model, cache, graphs, family = got
@@ -547,7 +547,7 @@ def decode_kernel_profile(
 
     tries = 3  # a window in which a new graph was recorded (a new context bucket) is run again
     max_len = max_seq_len or prompt_tokens + 2 + tries * reps + 8
-    with _one_sequence(folder, device=device, dtype=dtype, max_len=max_len, what="kernel profile", seqs=seqs) as got:
+    with _sequences(folder, device=device, dtype=dtype, max_len=max_len, what="kernel profile", seqs=seqs) as got:
         if isinstance(got, dict):
             return got
         model, cache, graphs, family = got
