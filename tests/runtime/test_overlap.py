@@ -35,14 +35,21 @@ def dsv4(tmp_path_factory: Any) -> tuple[Path, list[list[int]]]:
     return folder, [hf_greedy(model, p, N) for p in PROMPTS]
 
 
-def _serve(folder: Path, params: list[Any], monkeypatch: Any, overlap: bool, **kw: Any) -> tuple[list[Any], dict]:
+def _serve(
+    folder: Path, prompts: list, params: list, monkeypatch: Any, overlap: bool, **kw: Any
+) -> tuple[list[list[int]], list[str], dict]:
+    """(token ids, finish reasons, stats) of ``prompts`` through ``LLM`` on the CPU, the overlap on or off."""
     from engram_trt import LLM
 
     monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1" if overlap else "0")
     with LLM(str(folder), backend="torch", device="cpu", dtype="fp32", progress=False, **kw) as llm:
-        outs = llm.generate(PROMPTS, params)
-        stats = llm.stats()
-    return [o.outputs[0] for o in outs], stats
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [list(o.token_ids) for o in outs], [o.finish_reason for o in outs], llm.stats()
+
+
+def _both(folder: Path, prompts: list, params: list, monkeypatch: Any, **kw: Any) -> dict[bool, tuple]:
+    """:func:`_serve` with the overlap on (True) and off (False)."""
+    return {overlap: _serve(folder, prompts, params, monkeypatch, overlap, **kw) for overlap in (True, False)}
 
 
 def _greedy(n: int = N, **kw: Any) -> Any:
@@ -55,10 +62,10 @@ def test_overlapped_decode_gives_transformers_tokens_with_no_extra_step(
     dsv4: tuple[Path, list[list[int]]], monkeypatch: Any
 ) -> None:
     folder, want = dsv4
-    on, st_on = _serve(folder, [_greedy()] * 3, monkeypatch, overlap=True)
-    off, st_off = _serve(folder, [_greedy()] * 3, monkeypatch, overlap=False)
-    assert [list(o.token_ids) for o in on] == want
-    assert [list(o.token_ids) for o in off] == want
+    got = _both(folder, PROMPTS, [_greedy()] * 3, monkeypatch)
+    (on, on_reasons, st_on), (off, _, st_off) = got[True], got[False]
+    assert on == want
+    assert off == want
     # no row computed in vain (the overlap stops one step before max_tokens): the same tokens run as
     # the serial loop's, the prompts and N - 1 decode tokens a sequence (how the engine thread grouped
     # the prompts that arrived one by one may differ, so the step counts are not compared)
@@ -66,7 +73,7 @@ def test_overlapped_decode_gives_transformers_tokens_with_no_extra_step(
     assert st_on["tokens"] == st_off["tokens"] == tokens
     assert st_on["decode_tokens"] == st_off["decode_tokens"] == 3 * (N - 1)
     assert st_off["chained_steps"] == 0 and st_on["chained_steps"] >= N - 4  # most decode steps queued ahead
-    assert [o.finish_reason for o in on] == ["length"] * 3
+    assert on_reasons == ["length"] * 3
 
 
 def test_a_sequence_that_stops_under_a_queued_step_takes_nothing_of_it(
@@ -78,15 +85,7 @@ def test_a_sequence_that_stops_under_a_queued_step_takes_nothing_of_it(
     folder, want = dsv4
     k = next(k for k in range(2, N - 2) if want[0][k] not in want[0][:k])  # a stop id that first comes at k
     params = [_greedy(stop_token_ids=(want[0][k],)), _greedy(), _greedy(), _greedy()]
-    from engram_trt import LLM
-
-    prompts = [*PROMPTS, PROMPTS[1]]
-    got = {}
-    for overlap in (True, False):
-        monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1" if overlap else "0")
-        with LLM(str(folder), backend="torch", device="cpu", dtype="fp32", progress=False, max_batch_size=3) as llm:
-            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-            got[overlap] = ([list(o.token_ids) for o in outs], [o.finish_reason for o in outs], llm.stats())
+    got = _both(folder, [*PROMPTS, PROMPTS[1]], params, monkeypatch, max_batch_size=3)
     ids, reasons, st = got[True]
     assert ids == [want[0][: k + 1], want[1], want[2], want[1]]
     assert reasons == ["stop", "length", "length", "length"]
@@ -94,19 +93,6 @@ def test_a_sequence_that_stops_under_a_queued_step_takes_nothing_of_it(
     assert st["chained_steps"] > 0 and got[False][2]["chained_steps"] == 0
     assert st["chained_stopped_rows"] == 1  # sequence 0 stopped with a step queued after it
     assert st["tokens"] == got[False][2]["tokens"]  # its row of that step is not counted
-
-
-def _both(folder: Path, prompts: list, params: list, monkeypatch: Any, **kw: Any) -> dict[bool, tuple]:
-    """(token ids, finish reasons, chained_steps) of ``prompts`` with the overlap on and off."""
-    from engram_trt import LLM
-
-    got = {}
-    for overlap in (True, False):
-        monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1" if overlap else "0")
-        with LLM(str(folder), backend="torch", device="cpu", dtype="fp32", progress=False, **kw) as llm:
-            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-            got[overlap] = [list(o.token_ids) for o in outs], [o.finish_reason for o in outs], llm.stats()
-    return got
 
 
 def test_sampled_requests_are_not_queued_ahead(dsv4: tuple[Path, list[list[int]]], monkeypatch: Any) -> None:
@@ -172,6 +158,6 @@ def test_a_queued_step_that_fails_to_launch_runs_after_the_step_before(
         return takes(self, step)
 
     monkeypatch.setattr(ModelRunner, "takes_device_ids", flaky)
-    on, st = _serve(folder, [_greedy()] * 3, monkeypatch, overlap=True)
-    assert [list(o.token_ids) for o in on] == want and [o.finish_reason for o in on] == ["length"] * 3
+    on, reasons, st = _serve(folder, PROMPTS, [_greedy()] * 3, monkeypatch, overlap=True)
+    assert on == want and reasons == ["length"] * 3
     assert fails["left"] == 0 and st["chained_steps"] >= N - 6
