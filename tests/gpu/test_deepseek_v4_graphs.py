@@ -362,7 +362,8 @@ def _llm_tokens(folder: Path, prompts: list, n: int, graphs: bool, engram_config
         engram_config=engram_config,
     ) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        info, label = llm.runner.graph_capture(), llm.runner.backend.label
+        info = {**llm.runner.graph_capture(), "chained_steps": llm.stats()["chained_steps"]}
+        label = llm.runner.backend.label
     return [list(o.outputs[0].token_ids) for o in outs], info, label
 
 
@@ -391,17 +392,13 @@ def test_v41_llm_overlapped_graph_steps_equal_the_serial_loop(
     graph) take the queued step, the token's compressed id gathered on the device and the
     lookback made on the host; file tables (the prefetcher hashes on the host) do not.
     Both give the serial loop's tokens."""
-    from engram_trt import LLM, SamplingParams
-
     folder = _v41_folder(tmp_path)
     ecfg = {"host_file_gather": True} if tables == "file" else {"cpu_offload": False}
     runs = {}
     for overlap in ("1", "0"):
         monkeypatch.setenv("ENGRAM_TRT_OVERLAP", overlap)
-        kw = dict(backend="torch", device="cuda", dtype="fp32", max_batch_size=4, engram_config=ecfg)
-        with LLM(str(folder), **kw) as llm:
-            outs = llm.generate(V41_PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-            runs[overlap] = [list(o.outputs[0].token_ids) for o in outs], llm.stats()["chained_steps"]
+        tokens, info, _ = _llm_tokens(folder, V41_PROMPTS, 12, True, ecfg)
+        runs[overlap] = tokens, info["chained_steps"]
     (got, chained), (want, _) = runs["1"], runs["0"]
     assert got == want, f"V4.1 ({tables} tables): overlapped greedy tokens equal the serial loop's: {got} vs {want}"
     assert (chained >= 8) if queued else (chained == 0), (
