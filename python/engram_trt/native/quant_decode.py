@@ -108,6 +108,7 @@ class _Moe(ctypes.Structure):
 
 SIGNATURES: dict[str, list[Any]] = {
     "engram_quant_gemv_segments": [_vp, _i32, _i64, ctypes.c_uint32, _vp],
+    "engram_quant_gemv_segments_ex": [_vp, _i32, _i64, ctypes.c_uint32, _vp, _vp],
     "engram_quant_moe_workspace_size": [_i64, _i32, _i32, _i32, _vp],
     "engram_quant_moe": [_vp, _vp],
 }
