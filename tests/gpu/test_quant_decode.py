@@ -15,6 +15,11 @@ on a GPU, and the DeepSeek-V4 fused glue that calls them:
              the shared expert: equal to native.quant.experts + the shared expert's products
              (the old path) within that interval's width plus the shared expert's reach
              (module docstring of _shared_reach);
+  prologues  engram_quant_gemv_segments_ex: the RMSNorm prologue (q_a_norm before q_b) and
+             the inverse-RoPE prologue (before the grouped o_a) on FP8 (float and ue8m0
+             scales), FP4 and BF16 segments, 1-8 rows, K / N not multiples of 128: equal bit
+             for bit to norm_rope into a bf16 buffer then engram_quant_gemv_segments (the two
+             launches they replace), x left as it was;
   model      a tiny FP8 / FP4 DeepSeek-V4 (test_deepseek_v4_quant's folder): the fused
              stored-format glue taken (its launches counted), graphed decode tokens equal the
              eager ones, and the greedy tokens equal ENGRAM_TRT_DSV4_QUANT_FUSED=0's.
@@ -138,6 +143,103 @@ def test_segments_against_float64(dev, T: int) -> None:
                 f"{float((gap / (2 * bound)).max()):.3f}"
             )
     assert bool((big[:, 272:] == 0).all()), f"segments T {T}: the padding column after the grouped outputs untouched"
+
+
+SEGMENT_KINDS = [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "ue8m0"), ("bf16", "ue8m0")]
+
+
+def _fill(T: int, N: int, dev) -> Any:
+    torch = _t()
+    return torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("K", [320, 1536])
+def test_norm_prologue_equals_norm_rope_then_segments(dev, T: int, K: int) -> None:
+    """q_a_norm folded into the stored-format q_b: every kind of segment sharing one strided
+    x, the prologue's output = norm_rope's NORM_WEIGHTED job (launched beside a wider job, as
+    the layer's kv job rides with it) into a bf16 buffer, then the segments, bit for bit."""
+    from engram_trt.native import decode
+    from engram_trt.native import quant_decode as qd
+
+    torch = _t()
+    gen = torch.Generator(device=dev).manual_seed(31 * T + K)
+    x = (1.5 * torch.randn(T, K + 24, generator=gen, device=dev)).to(torch.bfloat16)[:, :K]  # row stride K + 24
+    x[0, 128:256] *= 40.0  # a group far larger than its neighbours: per-group scales matter
+    norm_w = (1 + 0.3 * torch.randn(K, generator=gen, device=dev)).contiguous()
+    weights = [_qweight(gen, dev, kind, n, K, fmt) for (kind, fmt), n in zip(SEGMENT_KINDS, (200, 130, 96, 72))]
+    untouched = x.clone()
+    got = [_fill(T, _out(w), dev) for w in weights]
+    qd.gemv_segments(
+        [(x, w, o) for w, o in zip(weights, got)],
+        prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, K, weight=norm_w, eps=1e-6),
+    )
+    normed = torch.empty(T, K, dtype=torch.bfloat16, device=dev)
+    wide = torch.randn(T, 2048, generator=gen, device=dev).to(torch.bfloat16)
+    ones = torch.ones(2048, device=dev)
+    decode.norm_rope(
+        decode.NormRopeJob(x, normed, dim=K, norm=decode.NORM_WEIGHTED, weight=norm_w, eps=1e-6),
+        decode.NormRopeJob(wide, torch.empty_like(wide), dim=2048, norm=decode.NORM_WEIGHTED, weight=ones, eps=1e-6),
+    )
+    want = [_fill(T, _out(w), dev) for w in weights]
+    qd.gemv_segments([(normed, w, o) for w, o in zip(weights, want)])
+    torch.cuda.synchronize()
+    tag = f"T {T} K {K}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert bool(torch.isfinite(a).all()) and torch.equal(a, b), (
+            f"RMSNorm prologue = norm_rope then the segments, bit for bit, {tag}: segment {i} ({SEGMENT_KINDS[i]}) "
+            f"differs at {int((a != b).sum())} of {a.numel()} outputs"
+        )
+    assert torch.equal(x, untouched), f"RMSNorm prologue leaves x as it was, {tag}"
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("heads,d,pairs,groups", [(2, 128, 32, 2), (8, 48, 12, 2), (16, 128, 32, 4)])
+def test_rope_prologue_equals_inverse_rope_then_segments(dev, T: int, heads: int, d: int, pairs: int, groups: int):
+    """The inverse RoPE folded into the stored-format grouped o_a: each group a segment (a
+    slice of the core's output starting at a head, its outputs a slice of one buffer), the
+    groups' weights of every kind, per_in 192 (not a multiple of 128) among them: = the
+    inverse rotation's norm_rope launch in place then the segments, bit for bit."""
+    from engram_trt.native import decode
+    from engram_trt.native import quant_decode as qd
+
+    torch = _t()
+    gen = torch.Generator(device=dev).manual_seed(7 * T + heads + d)
+    per_in, R = heads * d // groups, 136
+    flat = torch.randn(T, heads * d, generator=gen, device=dev).to(torch.bfloat16)
+    ang = torch.rand(T, 1, generator=gen, device=dev) * 1000.0 * 10000.0 ** -(torch.arange(pairs, device=dev) / pairs)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    kinds = [SEGMENT_KINDS[g % len(SEGMENT_KINDS)] for g in range(groups)]
+    weights = [_qweight(gen, dev, kind, R, per_in, fmt) for kind, fmt in kinds]
+    untouched = flat.clone()
+
+    def run(x, prologue):
+        y = torch.zeros(T, groups * R + 8, dtype=torch.bfloat16, device=dev)
+        qd.gemv_segments(
+            [(x[:, g * per_in : (g + 1) * per_in], weights[g], y[:, g * R : (g + 1) * R]) for g in range(groups)],
+            prologue=prologue,
+        )
+        return y
+
+    y = run(flat, decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1))
+    rotated = flat.clone()
+    decode.norm_rope(
+        decode.NormRopeJob(rotated, rotated, dim=d, heads=heads, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1)
+    )
+    y2 = run(rotated, None)
+    torch.cuda.synchronize()
+    tag = f"T {T} heads {heads}x{d} pairs {pairs} groups {groups}"
+    assert bool(torch.isfinite(y[:, : groups * R]).all()) and torch.equal(y, y2), (
+        f"RoPE prologue = the inverse RoPE launch then the segments, bit for bit, {tag}: "
+        f"{int((y != y2).sum())} of {y.numel()} outputs differ"
+    )
+    assert not torch.equal(rotated, flat), f"the rotation changed the core's output (the test exercises it), {tag}"
+    assert torch.equal(flat, untouched), f"RoPE prologue leaves x as it was, {tag}"
+    assert bool((y[:, groups * R :] == 0).all()), f"the padding after the grouped outputs untouched, {tag}"
+
+
+def _out(w) -> int:
+    return int(w.shape[0]) if _kind(w) == "bf16" else int(w.out_features)
 
 
 def _shared_reach(h, Wd) -> Any:

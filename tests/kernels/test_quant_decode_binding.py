@@ -351,3 +351,42 @@ def test_bindings_name_the_bad_argument() -> None:
     with pytest.raises(EngramError, match=r"the shared expert must be gate / up \[I_s, 256\] and down \[256, I_s\]"):
         qd.moe(x, ids, rw, stack, stack, dstack, shared=bad_shared, limit=None)
     assert "CUDA" in qd.moe_reason(x, 2, stack, stack, dstack, None)
+
+
+def test_prologue_binding_names_the_bad_argument() -> None:
+    """gemv_segments(prologue=...) refuses a prologue the library would refuse, in one line
+    naming the field, before any device check (on CPU tensors a valid prologue reaches the
+    devices' check: x must be a CUDA tensor)."""
+    T, K = 2, 256
+    x = torch.zeros(T, K, dtype=torch.bfloat16)
+    w = _qw("fp8", 200, K)
+    out = torch.zeros(T, 200, dtype=torch.bfloat16)
+    cos, sin = torch.ones(T, 32), torch.ones(T, 32)
+    norm_w = torch.ones(K)
+    G = decode.GemvPrologue
+    R, N = decode.PROLOGUE_ROPE, decode.PROLOGUE_RMSNORM
+    for pro, needle in (
+        (G(5, K), "prologue.kind 5 is not PROLOGUE_NONE, PROLOGUE_RMSNORM or PROLOGUE_ROPE"),
+        (G(N, K), "prologue.weight must be given for the RMSNorm prologue"),
+        (G(N, K, weight=norm_w, eps=float("nan")), "prologue.eps must be finite and >= 0 (got nan)"),
+        (G(N, K, weight=norm_w, eps=-1.0), "prologue.eps must be finite and >= 0 (got -1.0)"),
+        (G(N, 4096, weight=norm_w), "prologue.dim must be even and in [2, 2048] for the RMSNorm prologue (got 4096)"),
+        (G(N, 255, weight=norm_w), "(got 255)"),
+        (G(N, 128, weight=norm_w[:128]), "segments[0].x has 256 features; the RMSNorm prologue normalizes whole rows"),
+        (G(N, K, weight=norm_w.double()), "prologue.weight must have dtype torch.float32 (got torch.float64)"),
+        (G(N, K, weight=norm_w[:128]), "prologue.weight must be a contiguous [256] (got (128,))"),
+        (G(N, K, weight=torch.ones(K + 1)[1:]), "prologue.weight must be 16-byte aligned"),
+        (G(R, 12, rope_pairs=4, cos=cos, sin=sin), "the RoPE prologue needs prologue.dim a positive multiple of 8"),
+        (G(R, 128, rope_pairs=65, cos=cos, sin=sin), "(got dim 128, rope_pairs 65, rope_sign 1)"),
+        (G(R, 128, rope_pairs=32, cos=cos, sin=sin, rope_sign=2), "(got dim 128, rope_pairs 32, rope_sign 2)"),
+        (G(R, 128, rope_pairs=32), "prologue.cos and prologue.sin must be given"),
+        (G(R, 96, rope_pairs=32, cos=cos, sin=sin), "segments[0].x has 256 features; the RoPE prologue rotates whole"),
+        (G(R, 128, rope_pairs=32, cos=cos[:1], sin=sin[:1]), "prologue.cos / sin must be [2, >= 32]"),
+        (G(R, 128, rope_pairs=32, cos=cos.double(), sin=sin), "prologue.cos must have dtype torch.float32"),
+    ):
+        with pytest.raises(EngramError) as exc:
+            qd.gemv_segments([(x, w, out)], prologue=pro)
+        _one_line(str(exc.value), needle)
+    for pro in (G(N, K, weight=norm_w, eps=1e-6), G(R, 128, rope_pairs=32, cos=cos, sin=sin, rope_sign=-1)):
+        with pytest.raises(EngramError, match=r"segments\[0\]\.x must be a CUDA tensor"):
+            qd.gemv_segments([(x, w, out)], prologue=pro)
