@@ -22,7 +22,9 @@ on a GPU, and the DeepSeek-V4 fused glue that calls them:
              launches they replace), x left as it was;
   model      a tiny FP8 / FP4 DeepSeek-V4 (test_deepseek_v4_quant's folder): the fused
              stored-format glue taken (its launches counted), graphed decode tokens equal the
-             eager ones, and the greedy tokens equal ENGRAM_TRT_DSV4_QUANT_FUSED=0's.
+             eager ones, and the greedy tokens equal ENGRAM_TRT_DSV4_QUANT_FUSED=0's; with
+             ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1 its eager decode logits equal =0's bit for bit,
+             with two norm_rope launches fewer per layer and step (q_a_norm, the inverse RoPE).
 """
 
 from __future__ import annotations
@@ -373,3 +375,66 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(
     assert calls["moe"] == 0 and calls["gemv_segments"] == 0, (
         f"old: ENGRAM_TRT_DSV4_QUANT_FUSED=0 keeps the stored-format decode kernels out: calls {calls}"
     )
+
+
+def test_tiny_quantized_model_prologues_same_bits_fewer_launches(
+    dev,
+    folders: dict[str, Path],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The FP8 tiny model's eager decode steps with ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1 (q_a_norm
+    in the stored-format q_b's launch, the inverse RoPE in the grouped o_a's) against =0 (each
+    its own norm_rope launch first): the logits equal bit for bit, the stored-format segment
+    launches as many, and per layer and step two norm_rope launches fewer, the two prologues
+    taken once each."""
+    from engram_trt.models.deepseek_v4 import fused
+    from engram_trt.models.step import PackedStep
+    from engram_trt.native import decode
+    from engram_trt.native import quant_decode as qd
+
+    torch = _t()
+    model = _load(folders["q"], "cuda", torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    calls: dict[str, int] = {}
+    for mod, name in ((qd, "gemv_segments"), (decode, "norm_rope")):
+        real = getattr(mod, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls[_name] = calls.get(_name, 0) + 1
+            if kw.get("prologue") is not None:
+                calls["prologue"] = calls.get("prologue", 0) + 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(mod, name, counted)
+    slots, steps = 3, 6
+    gen = torch.Generator().manual_seed(5)
+    lens = [6, 11, 4]
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    runs = {}
+    for switch in ("0", "1"):
+        with env(fused.PROLOGUE_ENV, "1"), env(fused.QUANT_PROLOGUE_ENV, switch):
+            cache = model.new_cache(slots + 1, 64)
+            step = PackedStep(torch.tensor([t for p in prompts for t in p]), lens, [0] * slots, list(range(slots)))
+            toks = model.forward_step(step, cache).argmax(-1).tolist()
+            calls.clear()
+            past, logits = list(lens), []
+            for _ in range(steps):
+                out = model.forward_step(PackedStep(torch.tensor(toks), [1] * slots, past, list(range(slots))), cache)
+                logits.append(out)
+                toks = out.argmax(-1).tolist()
+                past = [p + 1 for p in past]
+            torch.cuda.synchronize()
+            runs[switch] = (logits, dict(calls))
+    (off, off_calls), (on, on_calls) = runs["0"], runs["1"]
+    same = [bool(torch.equal(a, b)) for a, b in zip(off, on)]
+    assert all(same), f"QUANT_PROLOGUE=1 decode logits equal =0's bit for bit, per step: {same}"
+    assert on_calls.get("gemv_segments") == off_calls.get("gemv_segments") and on_calls.get("gemv_segments", 0) > 0, (
+        f"the same stored-format segment launches with and without the prologues: on {on_calls}, off {off_calls}"
+    )
+    fewer = off_calls.get("norm_rope", 0) - on_calls.get("norm_rope", 0)
+    assert fewer == 2 * layers * steps, (
+        f"two norm_rope launches fewer per layer and step ({layers} layers, {steps} steps): on {on_calls}, "
+        f"off {off_calls}"
+    )
+    took = on_calls.get("prologue", 0) - off_calls.get("prologue", 0)
+    assert took == 2 * layers * steps, f"q_b and o_a took the stored-format prologues: on {on_calls}, off {off_calls}"
