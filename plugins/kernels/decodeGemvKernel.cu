@@ -19,6 +19,7 @@
 #include "dependentLaunch.cuh"
 #include "engramKernelsInternal.h"
 #include "gemvKernels.h"
+#include "gemvPrologue.cuh"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
@@ -44,78 +45,18 @@ struct Segments
     int32_t count;
 };
 
-constexpr int kProNone = 0;
-constexpr int kProNorm = 1;
-constexpr int kProRope = 2;
-
 //! x's 8 values at vector v of token m after the prologue (Pro), as bf16-rounded floats.
 template <int Pro>
 __device__ __forceinline__ void prologueX(
     uint4 raw, EngramGemvPrologue const& pro, float r, int64_t m, int32_t v, float (&xf)[8])
 {
     unpack8Pairs<__nv_bfloat162>(raw, xf);
+    float w[8] = {};
     if constexpr (Pro == kProNorm)
     {
-        float w[8];
         load8(pro.weight + 8 * static_cast<int64_t>(v), w);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-        {
-            xf[i] = roundTo<__nv_bfloat16>(__fmul_rn(w[i], __fmul_rn(xf[i], r)));
-        }
     }
-    else if constexpr (Pro == kProRope)
-    {
-        int32_t const pairs = pro.dim / 2;
-        int32_t const lead = pairs - pro.rope_pairs;
-        int32_t const q0 = (8 * v % pro.dim) / 2; // head-local pair of xf[0]
-        if (q0 + 3 >= lead)
-        {
-            float const* const cosRow = pro.cos + m * pro.cos_stride;
-            float const* const sinRow = pro.sin + m * pro.cos_stride;
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-            {
-                int32_t const q = q0 + k;
-                if (q >= lead)
-                {
-                    float const cr = roundTo<__nv_bfloat16>(cosRow[q - lead]);
-                    float const sr = roundTo<__nv_bfloat16>(sinRow[q - lead]) * static_cast<float>(pro.rope_sign);
-                    float const y0 = xf[2 * k];
-                    float const y1 = xf[2 * k + 1];
-                    xf[2 * k] = roundTo<__nv_bfloat16>(__fsub_rn(__fmul_rn(y0, cr), __fmul_rn(y1, sr)));
-                    xf[2 * k + 1] = roundTo<__nv_bfloat16>(__fadd_rn(__fmul_rn(y1, cr), __fmul_rn(y0, sr)));
-                }
-            }
-        }
-    }
-}
-
-//! The reciprocal RMS of token m's row x (in_features values) as engram_norm_rope's
-//! register form makes it: lane l adds pairs l, l + 32, ... (squares rounded, sums
-//! rounded), a butterfly, then rsqrt(sum / dim + eps).
-__device__ __forceinline__ float rowReciprocalRms(__nv_bfloat16 const* x, int32_t dim, float eps, int lane)
-{
-    int32_t const pairs = dim / 2;
-    float squares = 0.0F;
-    for (int32_t base = 0; base < pairs; base += 32 * 4)
-    {
-        float2 pr[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) // the loads of four pairs before their sums
-        {
-            int32_t const q = base + lane + 32 * u;
-            pr[u] = q < pairs ? unpackPair(reinterpret_cast<__nv_bfloat162 const*>(x)[q]) : make_float2(0.0F, 0.0F);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-        {
-            squares = __fadd_rn(squares, __fmul_rn(pr[u].x, pr[u].x));
-            squares = __fadd_rn(squares, __fmul_rn(pr[u].y, pr[u].y));
-        }
-    }
-    squares = warpSum(squares);
-    return rsqrtf(__fadd_rn(__fdiv_rn(squares, static_cast<float>(dim)), eps));
+    applyPrologue<Pro, 8>(xf, w, pro, r, m, 8 * v);
 }
 
 template <int M, int Pro>
@@ -356,10 +297,8 @@ extern "C" ENGRAM_API int engram_gemv_segments_bf16(
     return checkLaunch(fn);
 }
 
-namespace
-{
-
-int checkPrologue(char const* fn, EngramGemvPrologue const& pro, Segments const& segs)
+int engram_trt::kernels::checkGemvPrologue(
+    char const* fn, EngramGemvPrologue const& pro, int32_t count, int32_t const* inFeatures)
 {
     if (pro.kind == ENGRAM_GEMV_PROLOGUE_NONE)
     {
@@ -375,13 +314,20 @@ int checkPrologue(char const* fn, EngramGemvPrologue const& pro, Segments const&
                 "(got eps %g, dim %d)",
                 fn, static_cast<double>(pro.eps), pro.dim);
         }
-        for (int32_t i = 0; i < segs.count; ++i)
+        if (pro.dim > 2048)
         {
-            if (segs.seg[i].in_features != pro.dim)
+            return fail(cudaErrorInvalidValue,
+                "%s: the RMSNorm prologue sums rows of at most 2048 values (engram_norm_rope's register form; got "
+                "dim %d)",
+                fn, pro.dim);
+        }
+        for (int32_t i = 0; i < count; ++i)
+        {
+            if (inFeatures[i] != pro.dim)
             {
                 return fail(cudaErrorInvalidValue,
                     "%s: segment %d: the RMSNorm prologue normalizes whole rows: in_features must be dim %d (got %d)",
-                    fn, i, pro.dim, segs.seg[i].in_features);
+                    fn, i, pro.dim, inFeatures[i]);
             }
         }
         return 0;
@@ -402,22 +348,20 @@ int checkPrologue(char const* fn, EngramGemvPrologue const& pro, Segments const&
                 "%s: the RoPE prologue needs cos / sin [tokens, >= rope_pairs] fp32 (got cos_stride %lld)", fn,
                 ll(pro.cos_stride));
         }
-        for (int32_t i = 0; i < segs.count; ++i)
+        for (int32_t i = 0; i < count; ++i)
         {
-            if (segs.seg[i].in_features % pro.dim != 0)
+            if (inFeatures[i] % pro.dim != 0)
             {
                 return fail(cudaErrorInvalidValue,
                     "%s: segment %d: the RoPE prologue rotates whole heads: in_features must be a multiple of dim %d "
                     "(got %d)",
-                    fn, i, pro.dim, segs.seg[i].in_features);
+                    fn, i, pro.dim, inFeatures[i]);
             }
         }
         return 0;
     }
     return fail(cudaErrorInvalidValue, "%s: prologue kind %d is not NONE (0), RMSNORM (1) or ROPE (2)", fn, pro.kind);
 }
-
-} // namespace
 
 extern "C" ENGRAM_API int engram_gemv_segments_bf16_ex(EngramGemvSegment const* segments, int32_t numSegments,
     int64_t numTokens, uint32_t flags, EngramGemvPrologue const* prologue, cudaStream_t stream)
@@ -462,7 +406,12 @@ extern "C" ENGRAM_API int engram_gemv_segments_bf16_ex(EngramGemvSegment const* 
     }
     segs.firstRow[numSegments] = static_cast<int32_t>(rows);
     EngramGemvPrologue const pro = prologue != nullptr ? *prologue : EngramGemvPrologue{};
-    int const status = checkPrologue(fn, pro, segs);
+    int32_t inFeatures[ENGRAM_GEMV_MAX_SEGMENTS] = {};
+    for (int32_t i = 0; i < numSegments; ++i)
+    {
+        inFeatures[i] = segs.seg[i].in_features;
+    }
+    int const status = checkGemvPrologue(fn, pro, numSegments, inFeatures);
     if (status != 0 || numTokens == 0)
     {
         return status;

@@ -102,7 +102,8 @@ ENGRAM_API int engram_gemv_segments_bf16(
  *     NORM_NONE job with rope_pairs / rope_sign and cos / sin [tokens, >= rope_pairs] fp32
  *     (cos_stride apart): a grouped projection of the attention's output after its inverse
  *     RoPE.
- * Products and limits otherwise engram_gemv_segments_bf16's. */
+ * Products and limits otherwise engram_gemv_segments_bf16's. The stored-format segments
+ * take the same prologues (quantKernels.h engram_quant_gemv_segments_ex). */
 #define ENGRAM_GEMV_EX_MAX_TOKENS 8
 #define ENGRAM_GEMV_PROLOGUE_NONE 0
 #define ENGRAM_GEMV_PROLOGUE_RMSNORM 1

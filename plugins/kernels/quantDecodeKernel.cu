@@ -6,7 +6,10 @@
  *
  *   engram_quant_gemv_segments: up to 8 products of the step's 1-8 rows, FP8 / FP4 / BF16
  *     weights mixed, in one launch (the projections a DeepSeek-V4 layer applies to one
- *     input, or the groups of its grouped output projection);
+ *     input, or the groups of its grouped output projection); its _ex form takes the bf16
+ *     GEMV's prologues (gemvPrologue.cuh: q_a_norm before q_b, the inverse RoPE before the
+ *     grouped o_a), applied to each value as the block stages it, before its quantization
+ *     (the norm's reciprocal RMS once a block per token, a warp per token, before staging);
  *   engram_quant_moe: the routed experts and the shared expert in two launches (gate / up
  *     with the clamped SwiGLU; down with the combine), where native/quant.py's experts()
  *     takes a plan, two grouped GEMVs, the SwiGLU, a third GEMV and the combine, and the
@@ -40,6 +43,7 @@
 #include "dependentLaunch.cuh"
 #include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
+#include "gemvPrologue.cuh"
 #include "quantDevice.cuh"
 #include "quantInternal.h"
 #include "quantKernels.h"
@@ -124,13 +128,42 @@ struct StageRow
     int32_t ue8m0;
 };
 
+//! A row's 4 values at column kk (a multiple of 4) as floats, taken through the prologue
+//! Pro first (a bf16 row; pro and r, the row's reciprocal RMS, read with kProNorm only):
+//! the values engram_norm_rope would have written for token m, bit for bit.
+template <int Pro>
+__device__ __forceinline__ float4 loadRow4(
+    StageRow const& src, int32_t kk, EngramGemvPrologue const* pro, float r, int32_t m)
+{
+    float4 const x = loadAct4(src.row, kk, src.bf16 != 0);
+    if constexpr (Pro == kProNone)
+    {
+        return x;
+    }
+    else
+    {
+        float v[4] = {x.x, x.y, x.z, x.w};
+        float w[4] = {};
+        if constexpr (Pro == kProNorm)
+        {
+            float4 const w4 = __ldg(reinterpret_cast<float4 const*>(pro->weight + kk));
+            w[0] = w4.x, w[1] = w4.y, w[2] = w4.z, w[3] = w4.w;
+        }
+        applyPrologue<Pro, 4>(v, w, *pro, r, m, kk);
+        return make_float4(v[0], v[1], v[2], v[3]);
+    }
+}
+
 /*
  * Stages one row into sRow (chunks of the layout for vectors of VPV values, cpr of them),
  * by the block's threads: plain, or quantized bit for bit as engram_act_quant's float32
- * deq (a group of G columns is G / 4 lanes of one warp, 4 values a lane).
+ * deq (a group of G columns is G / 4 lanes of one warp, 4 values a lane); with a prologue
+ * (Pro, token m of a bf16 row, r its reciprocal RMS for kProNorm) the values go through it
+ * before either, as if engram_norm_rope had written them to a bf16 row first.
  */
-template <int VPV>
-__device__ __forceinline__ void stageRow(StageRow const& src, float4* sRow, int32_t cpr)
+template <int VPV, int Pro = kProNone>
+__device__ __forceinline__ void stageRow(StageRow const& src, float4* sRow, int32_t cpr,
+    EngramGemvPrologue const* pro = nullptr, float r = 1.0F, int32_t m = 0)
 {
     int const lane = threadIdx.x & 31;
     int const warp = threadIdx.x >> 5;
@@ -141,7 +174,7 @@ __device__ __forceinline__ void stageRow(StageRow const& src, float4* sRow, int3
         for (int32_t kk = 4 * static_cast<int32_t>(threadIdx.x); kk < k; kk += 4 * static_cast<int32_t>(blockDim.x))
         {
             sRow[stagedChunk<VPV>(kk)]
-                = src.row != nullptr ? loadAct4(src.row, kk, src.bf16 != 0) : make_float4(0.F, 0.F, 0.F, 0.F);
+                = src.row != nullptr ? loadRow4<Pro>(src, kk, pro, r, m) : make_float4(0.F, 0.F, 0.F, 0.F);
         }
     }
     else
@@ -161,7 +194,7 @@ __device__ __forceinline__ void stageRow(StageRow const& src, float4* sRow, int3
             float4 x = make_float4(0.F, 0.F, 0.F, 0.F);
             if (ok)
             {
-                x = loadAct4(src.row, kk, src.bf16 != 0);
+                x = loadRow4<Pro>(src, kk, pro, r, m);
             }
             float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
             for (int offset = lanesPerGroup / 2; offset > 0; offset >>= 1)
@@ -372,13 +405,14 @@ struct SegParams
     EngramQuantSegment seg[ENGRAM_QSEG_MAX_SEGMENTS];
     int32_t firstBlock[ENGRAM_QSEG_MAX_SEGMENTS + 1];
     int32_t rowChunks[ENGRAM_QSEG_MAX_SEGMENTS]; // staged chunks of one row of each segment
+    EngramGemvPrologue pro;                      // kind NONE: none
     int32_t count;
     int32_t tokens;
     int32_t weightStatic;
 };
 
-template <int WT, int MR>
-__device__ __forceinline__ void segmentBody(SegParams const& p, int s, int32_t local, float4* sAct)
+template <int WT, int MR, int Pro>
+__device__ __forceinline__ void segmentBody(SegParams const& p, int s, int32_t local, float4* sAct, float* sRms)
 {
     constexpr int R = kRowsPerWarp;
     constexpr int U = StepVectors<WT, R>::value;
@@ -412,6 +446,21 @@ __device__ __forceinline__ void segmentBody(SegParams const& p, int s, int32_t l
     {
         issueStep<WT, R, U>(rows, lane, vectors, vpb, ue8m0, wv, sv);
     }
+    if constexpr (Pro == kProNorm)
+    {
+        // each token's reciprocal RMS once a block (warp w: tokens w, w + 4), as engram_norm_rope sums it
+        for (int m = warp; m < p.tokens; m += kWarps)
+        {
+            float const r
+                = rowReciprocalRms(static_cast<__nv_bfloat16 const*>(g.x) + static_cast<int64_t>(m) * g.x_stride,
+                    g.in_features, p.pro.eps, lane);
+            if (lane == 0)
+            {
+                sRms[m] = r;
+            }
+        }
+        __syncthreads();
+    }
     int32_t const cpr = p.rowChunks[s];
     for (int m = 0; m < MR; ++m)
     {
@@ -419,7 +468,12 @@ __device__ __forceinline__ void segmentBody(SegParams const& p, int s, int32_t l
                     + static_cast<int64_t>(m) * g.x_stride * (g.x_type == ENGRAM_FLOAT_BF16 ? 2 : 4)
                                   : nullptr,
             g.x_type == ENGRAM_FLOAT_BF16 ? 1 : 0, g.in_features, g.act_group, g.act_ue8m0};
-        stageRow<VPV>(src, sAct + m * cpr, cpr);
+        float r = 1.0F;
+        if constexpr (Pro == kProNorm)
+        {
+            r = m < p.tokens ? sRms[m] : 1.0F;
+        }
+        stageRow<VPV, Pro>(src, sAct + m * cpr, cpr, &p.pro, r, m);
     }
     __syncthreads();
     float acc[R][MR];
@@ -444,11 +498,12 @@ __device__ __forceinline__ void segmentBody(SegParams const& p, int s, int32_t l
     }
 }
 
-template <int MR>
+template <int MR, int Pro>
 __global__ void __launch_bounds__(kThreads) quantSegmentsKernel(SegParams const p)
 {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (refused on the host)
     extern __shared__ float4 sAct[];
+    __shared__ float sRms[Pro == kProNorm ? ENGRAM_QSEG_MAX_TOKENS : 1]; // the tokens' reciprocal RMS (kProNorm)
     int s = 0;
     auto const b = static_cast<int32_t>(blockIdx.x);
     while (s + 1 < p.count && b >= p.firstBlock[s + 1])
@@ -458,9 +513,9 @@ __global__ void __launch_bounds__(kThreads) quantSegmentsKernel(SegParams const 
     int32_t const local = b - p.firstBlock[s];
     switch (p.seg[s].w_type)
     {
-    case ENGRAM_QWEIGHT_FP8_E4M3: segmentBody<ENGRAM_QWEIGHT_FP8_E4M3, MR>(p, s, local, sAct); break;
-    case ENGRAM_QWEIGHT_FP4_E2M1: segmentBody<ENGRAM_QWEIGHT_FP4_E2M1, MR>(p, s, local, sAct); break;
-    default: segmentBody<ENGRAM_QWEIGHT_BF16, MR>(p, s, local, sAct); break;
+    case ENGRAM_QWEIGHT_FP8_E4M3: segmentBody<ENGRAM_QWEIGHT_FP8_E4M3, MR, Pro>(p, s, local, sAct, sRms); break;
+    case ENGRAM_QWEIGHT_FP4_E2M1: segmentBody<ENGRAM_QWEIGHT_FP4_E2M1, MR, Pro>(p, s, local, sAct, sRms); break;
+    default: segmentBody<ENGRAM_QWEIGHT_BF16, MR, Pro>(p, s, local, sAct, sRms); break;
     }
 #endif
 }
@@ -840,18 +895,50 @@ int checkMoeWeight(char const* fn, char const* name, EngramQuantMoeWeight const&
     return 0;
 }
 
-} // namespace
-
-} // namespace kernels
-} // namespace engram_trt
-
-using namespace engram_trt::kernels;
-
-extern "C" ENGRAM_API int engram_quant_gemv_segments(
-    EngramQuantSegment const* segments, int32_t numSegments, int64_t numTokens, uint32_t flags, cudaStream_t stream)
+/*
+ * The prologue's checks (checkGemvPrologue, shared with engram_gemv_segments_bf16_ex) and
+ * this kernel's own: a prologue takes bf16 x (what engram_norm_rope would have read).
+ */
+int checkSegmentsPrologue(
+    char const* fn, EngramGemvPrologue const& pro, EngramQuantSegment const* segments, int32_t numSegments)
 {
-    clearError();
-    char const* const fn = "engram_quant_gemv_segments";
+    int32_t inFeatures[ENGRAM_QSEG_MAX_SEGMENTS] = {};
+    for (int32_t i = 0; i < numSegments; ++i)
+    {
+        inFeatures[i] = segments[i].in_features;
+    }
+    if (int const status = checkGemvPrologue(fn, pro, numSegments, inFeatures))
+    {
+        return status;
+    }
+    for (int32_t i = 0; i < numSegments && pro.kind != ENGRAM_GEMV_PROLOGUE_NONE; ++i)
+    {
+        if (segments[i].x_type != ENGRAM_FLOAT_BF16)
+        {
+            return fail(cudaErrorInvalidValue, "%s: segment %d: a prologue takes bf16 x (x_type 0; got %d)", fn, i,
+                segments[i].x_type);
+        }
+    }
+    return 0;
+}
+
+//! The segments kernel for MR staged rows (1, 2, 4 or 8) and the prologue Pro.
+template <int Pro>
+auto segmentsKernel(int mr) -> void (*)(SegParams)
+{
+    switch (mr)
+    {
+    case 1: return quantSegmentsKernel<1, Pro>;
+    case 2: return quantSegmentsKernel<2, Pro>;
+    case 4: return quantSegmentsKernel<4, Pro>;
+    default: return quantSegmentsKernel<8, Pro>;
+    }
+}
+
+//! engram_quant_gemv_segments(_ex) for the entry point fn (its name in the errors).
+int quantGemvSegments(char const* fn, EngramQuantSegment const* segments, int32_t numSegments, int64_t numTokens,
+    uint32_t flags, EngramGemvPrologue const* prologue, cudaStream_t stream)
+{
     if (segments == nullptr || numSegments < 1 || numSegments > ENGRAM_QSEG_MAX_SEGMENTS)
     {
         return fail(cudaErrorInvalidValue, "%s: need 1 <= num_segments <= %d (got %d)", fn, ENGRAM_QSEG_MAX_SEGMENTS,
@@ -938,6 +1025,11 @@ extern "C" ENGRAM_API int engram_quant_gemv_segments(
         }
     }
     p.firstBlock[numSegments] = static_cast<int32_t>(blocks);
+    p.pro = prologue != nullptr ? *prologue : EngramGemvPrologue{};
+    if (int const status = checkSegmentsPrologue(fn, p.pro, segments, numSegments))
+    {
+        return status;
+    }
     if (numTokens == 0)
     {
         return 0;
@@ -952,12 +1044,11 @@ extern "C" ENGRAM_API int engram_quant_gemv_segments(
     int const mr = numTokens <= 1 ? 1 : (numTokens <= 2 ? 2 : (numTokens <= 4 ? 4 : 8));
     int64_t const shared = mostChunks * 16 * mr;
     void (*kernel)(SegParams) = nullptr;
-    switch (mr)
+    switch (p.pro.kind)
     {
-    case 1: kernel = quantSegmentsKernel<1>; break;
-    case 2: kernel = quantSegmentsKernel<2>; break;
-    case 4: kernel = quantSegmentsKernel<4>; break;
-    default: kernel = quantSegmentsKernel<8>; break;
+    case ENGRAM_GEMV_PROLOGUE_RMSNORM: kernel = segmentsKernel<kProNorm>(mr); break;
+    case ENGRAM_GEMV_PROLOGUE_ROPE: kernel = segmentsKernel<kProRope>(mr); break;
+    default: kernel = segmentsKernel<kProNone>(mr); break;
     }
     if (int const status = allowShared(kernel, shared, fn))
     {
@@ -967,6 +1058,28 @@ extern "C" ENGRAM_API int engram_quant_gemv_segments(
     launchDependent(
         kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(shared), stream, p);
     return checkLaunch(fn);
+}
+
+} // namespace
+
+} // namespace kernels
+} // namespace engram_trt
+
+using namespace engram_trt::kernels;
+
+extern "C" ENGRAM_API int engram_quant_gemv_segments(
+    EngramQuantSegment const* segments, int32_t numSegments, int64_t numTokens, uint32_t flags, cudaStream_t stream)
+{
+    clearError();
+    return quantGemvSegments("engram_quant_gemv_segments", segments, numSegments, numTokens, flags, nullptr, stream);
+}
+
+extern "C" ENGRAM_API int engram_quant_gemv_segments_ex(EngramQuantSegment const* segments, int32_t numSegments,
+    int64_t numTokens, uint32_t flags, EngramGemvPrologue const* prologue, cudaStream_t stream)
+{
+    clearError();
+    return quantGemvSegments(
+        "engram_quant_gemv_segments_ex", segments, numSegments, numTokens, flags, prologue, stream);
 }
 
 extern "C" ENGRAM_API int engram_quant_moe_workspace_size(

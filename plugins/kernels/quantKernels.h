@@ -29,6 +29,8 @@
 #ifndef ENGRAM_TRT_QUANT_KERNELS_H
 #define ENGRAM_TRT_QUANT_KERNELS_H
 
+#include "decodeKernels.h" /* EngramGemvPrologue (engram_quant_gemv_segments_ex) */
+
 #include <cuda_runtime_api.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -292,6 +294,29 @@ typedef struct EngramQuantSegment
 } EngramQuantSegment;
 ENGRAM_API int engram_quant_gemv_segments(
     const EngramQuantSegment* segments, int32_t num_segments, int64_t num_tokens, uint32_t flags, cudaStream_t stream);
+
+/*
+ * engram_quant_gemv_segments with each segment's x first taken through *prologue
+ * (decodeKernels.h EngramGemvPrologue, engram_gemv_segments_bf16_ex's; NULL or kind NONE:
+ * none, engram_quant_gemv_segments itself): the element-wise launch before the product
+ * folded into it. Every segment's x is then bf16 (x_type 0), and each value the product
+ * sees is what that launch would have written to a bf16 row, quantized after it per the
+ * segment's act_group as above, so the outputs equal engram_norm_rope into a bf16 buffer
+ * then engram_quant_gemv_segments on it, bit for bit:
+ *   ENGRAM_GEMV_PROLOGUE_RMSNORM: x's rows RMS-normalized as engram_norm_rope's
+ *     NORM_WEIGHTED job of dim = in_features (every segment's; even, <= 2048): the row's
+ *     reciprocal RMS summed as that launch's register form sums it (once a block a token),
+ *     y = bf16(weight * (x * r)) (weight [dim] fp32, 16-byte aligned; eps);
+ *   ENGRAM_GEMV_PROLOGUE_ROPE: x's heads of dim channels (dim % 8 == 0; a segment's x
+ *     starting at a head, its in_features a multiple of dim) rotated as engram_norm_rope's
+ *     NORM_NONE job with rope_pairs / rope_sign and cos / sin [tokens, >= rope_pairs] fp32
+ *     (cos_stride apart; each rounded to bf16 first), each result rounded to bf16.
+ * The prologue's fields are checked as engram_gemv_segments_bf16_ex checks them (with any
+ * num_tokens, 0 included); x is read only after the wait for the kernel before, the
+ * weights' first vectors before it (ENGRAM_QGEMV_WEIGHT_STATIC) as without a prologue.
+ */
+ENGRAM_API int engram_quant_gemv_segments_ex(const EngramQuantSegment* segments, int32_t num_segments,
+    int64_t num_tokens, uint32_t flags, const EngramGemvPrologue* prologue, cudaStream_t stream);
 
 /*
  * A decode step's routed experts and shared expert with stored-format weights in two

@@ -15,9 +15,16 @@ on a GPU, and the DeepSeek-V4 fused glue that calls them:
              the shared expert: equal to native.quant.experts + the shared expert's products
              (the old path) within that interval's width plus the shared expert's reach
              (module docstring of _shared_reach);
+  prologues  engram_quant_gemv_segments_ex: the RMSNorm prologue (q_a_norm before q_b) and
+             the inverse-RoPE prologue (before the grouped o_a) on FP8 (float and ue8m0
+             scales), FP4 and BF16 segments, 1-8 rows, K / N not multiples of 128: equal bit
+             for bit to norm_rope into a bf16 buffer then engram_quant_gemv_segments (the two
+             launches they replace), x left as it was;
   model      a tiny FP8 / FP4 DeepSeek-V4 (test_deepseek_v4_quant's folder): the fused
              stored-format glue taken (its launches counted), graphed decode tokens equal the
-             eager ones, and the greedy tokens equal ENGRAM_TRT_DSV4_QUANT_FUSED=0's.
+             eager ones, and the greedy tokens equal ENGRAM_TRT_DSV4_QUANT_FUSED=0's; with
+             ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1 its eager decode logits equal =0's bit for bit,
+             with two norm_rope launches fewer per layer and step (q_a_norm, the inverse RoPE).
 """
 
 from __future__ import annotations
@@ -138,6 +145,103 @@ def test_segments_against_float64(dev, T: int) -> None:
                 f"{float((gap / (2 * bound)).max()):.3f}"
             )
     assert bool((big[:, 272:] == 0).all()), f"segments T {T}: the padding column after the grouped outputs untouched"
+
+
+SEGMENT_KINDS = [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "ue8m0"), ("bf16", "ue8m0")]
+
+
+def _fill(T: int, N: int, dev) -> Any:
+    torch = _t()
+    return torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("K", [320, 1536])
+def test_norm_prologue_equals_norm_rope_then_segments(dev, T: int, K: int) -> None:
+    """q_a_norm folded into the stored-format q_b: every kind of segment sharing one strided
+    x, the prologue's output = norm_rope's NORM_WEIGHTED job (launched beside a wider job, as
+    the layer's kv job rides with it) into a bf16 buffer, then the segments, bit for bit."""
+    from engram_trt.native import decode
+    from engram_trt.native import quant_decode as qd
+
+    torch = _t()
+    gen = torch.Generator(device=dev).manual_seed(31 * T + K)
+    x = (1.5 * torch.randn(T, K + 24, generator=gen, device=dev)).to(torch.bfloat16)[:, :K]  # row stride K + 24
+    x[0, 128:256] *= 40.0  # a group far larger than its neighbours: per-group scales matter
+    norm_w = (1 + 0.3 * torch.randn(K, generator=gen, device=dev)).contiguous()
+    weights = [_qweight(gen, dev, kind, n, K, fmt) for (kind, fmt), n in zip(SEGMENT_KINDS, (200, 130, 96, 72))]
+    untouched = x.clone()
+    got = [_fill(T, _out(w), dev) for w in weights]
+    qd.gemv_segments(
+        [(x, w, o) for w, o in zip(weights, got)],
+        prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, K, weight=norm_w, eps=1e-6),
+    )
+    normed = torch.empty(T, K, dtype=torch.bfloat16, device=dev)
+    wide = torch.randn(T, 2048, generator=gen, device=dev).to(torch.bfloat16)
+    ones = torch.ones(2048, device=dev)
+    decode.norm_rope(
+        decode.NormRopeJob(x, normed, dim=K, norm=decode.NORM_WEIGHTED, weight=norm_w, eps=1e-6),
+        decode.NormRopeJob(wide, torch.empty_like(wide), dim=2048, norm=decode.NORM_WEIGHTED, weight=ones, eps=1e-6),
+    )
+    want = [_fill(T, _out(w), dev) for w in weights]
+    qd.gemv_segments([(normed, w, o) for w, o in zip(weights, want)])
+    torch.cuda.synchronize()
+    tag = f"T {T} K {K}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert bool(torch.isfinite(a).all()) and torch.equal(a, b), (
+            f"RMSNorm prologue = norm_rope then the segments, bit for bit, {tag}: segment {i} ({SEGMENT_KINDS[i]}) "
+            f"differs at {int((a != b).sum())} of {a.numel()} outputs"
+        )
+    assert torch.equal(x, untouched), f"RMSNorm prologue leaves x as it was, {tag}"
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("heads,d,pairs,groups", [(2, 128, 32, 2), (8, 48, 12, 2), (16, 128, 32, 4)])
+def test_rope_prologue_equals_inverse_rope_then_segments(dev, T: int, heads: int, d: int, pairs: int, groups: int):
+    """The inverse RoPE folded into the stored-format grouped o_a: each group a segment (a
+    slice of the core's output starting at a head, its outputs a slice of one buffer), the
+    groups' weights of every kind, per_in 192 (not a multiple of 128) among them: = the
+    inverse rotation's norm_rope launch in place then the segments, bit for bit."""
+    from engram_trt.native import decode
+    from engram_trt.native import quant_decode as qd
+
+    torch = _t()
+    gen = torch.Generator(device=dev).manual_seed(7 * T + heads + d)
+    per_in, R = heads * d // groups, 136
+    flat = torch.randn(T, heads * d, generator=gen, device=dev).to(torch.bfloat16)
+    ang = torch.rand(T, 1, generator=gen, device=dev) * 1000.0 * 10000.0 ** -(torch.arange(pairs, device=dev) / pairs)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    kinds = [SEGMENT_KINDS[g % len(SEGMENT_KINDS)] for g in range(groups)]
+    weights = [_qweight(gen, dev, kind, R, per_in, fmt) for kind, fmt in kinds]
+    untouched = flat.clone()
+
+    def run(x, prologue):
+        y = torch.zeros(T, groups * R + 8, dtype=torch.bfloat16, device=dev)
+        qd.gemv_segments(
+            [(x[:, g * per_in : (g + 1) * per_in], weights[g], y[:, g * R : (g + 1) * R]) for g in range(groups)],
+            prologue=prologue,
+        )
+        return y
+
+    y = run(flat, decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1))
+    rotated = flat.clone()
+    decode.norm_rope(
+        decode.NormRopeJob(rotated, rotated, dim=d, heads=heads, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1)
+    )
+    y2 = run(rotated, None)
+    torch.cuda.synchronize()
+    tag = f"T {T} heads {heads}x{d} pairs {pairs} groups {groups}"
+    assert bool(torch.isfinite(y[:, : groups * R]).all()) and torch.equal(y, y2), (
+        f"RoPE prologue = the inverse RoPE launch then the segments, bit for bit, {tag}: "
+        f"{int((y != y2).sum())} of {y.numel()} outputs differ"
+    )
+    assert not torch.equal(rotated, flat), f"the rotation changed the core's output (the test exercises it), {tag}"
+    assert torch.equal(flat, untouched), f"RoPE prologue leaves x as it was, {tag}"
+    assert bool((y[:, groups * R :] == 0).all()), f"the padding after the grouped outputs untouched, {tag}"
+
+
+def _out(w) -> int:
+    return int(w.shape[0]) if _kind(w) == "bf16" else int(w.out_features)
 
 
 def _shared_reach(h, Wd) -> Any:
@@ -271,3 +375,66 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(
     assert calls["moe"] == 0 and calls["gemv_segments"] == 0, (
         f"old: ENGRAM_TRT_DSV4_QUANT_FUSED=0 keeps the stored-format decode kernels out: calls {calls}"
     )
+
+
+def test_tiny_quantized_model_prologues_same_bits_fewer_launches(
+    dev,
+    folders: dict[str, Path],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The FP8 tiny model's eager decode steps with ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1 (q_a_norm
+    in the stored-format q_b's launch, the inverse RoPE in the grouped o_a's) against =0 (each
+    its own norm_rope launch first): the logits equal bit for bit, the stored-format segment
+    launches as many, and per layer and step two norm_rope launches fewer, the two prologues
+    taken once each."""
+    from engram_trt.models.deepseek_v4 import fused
+    from engram_trt.models.step import PackedStep
+    from engram_trt.native import decode
+    from engram_trt.native import quant_decode as qd
+
+    torch = _t()
+    model = _load(folders["q"], "cuda", torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    calls: dict[str, int] = {}
+    for mod, name in ((qd, "gemv_segments"), (decode, "norm_rope")):
+        real = getattr(mod, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls[_name] = calls.get(_name, 0) + 1
+            if kw.get("prologue") is not None:
+                calls["prologue"] = calls.get("prologue", 0) + 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(mod, name, counted)
+    slots, steps = 3, 6
+    gen = torch.Generator().manual_seed(5)
+    lens = [6, 11, 4]
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    runs = {}
+    for switch in ("0", "1"):
+        with env(fused.PROLOGUE_ENV, "1"), env(fused.QUANT_PROLOGUE_ENV, switch):
+            cache = model.new_cache(slots + 1, 64)
+            step = PackedStep(torch.tensor([t for p in prompts for t in p]), lens, [0] * slots, list(range(slots)))
+            toks = model.forward_step(step, cache).argmax(-1).tolist()
+            calls.clear()
+            past, logits = list(lens), []
+            for _ in range(steps):
+                out = model.forward_step(PackedStep(torch.tensor(toks), [1] * slots, past, list(range(slots))), cache)
+                logits.append(out)
+                toks = out.argmax(-1).tolist()
+                past = [p + 1 for p in past]
+            torch.cuda.synchronize()
+            runs[switch] = (logits, dict(calls))
+    (off, off_calls), (on, on_calls) = runs["0"], runs["1"]
+    same = [bool(torch.equal(a, b)) for a, b in zip(off, on)]
+    assert all(same), f"QUANT_PROLOGUE=1 decode logits equal =0's bit for bit, per step: {same}"
+    assert on_calls.get("gemv_segments") == off_calls.get("gemv_segments") and on_calls.get("gemv_segments", 0) > 0, (
+        f"the same stored-format segment launches with and without the prologues: on {on_calls}, off {off_calls}"
+    )
+    fewer = off_calls.get("norm_rope", 0) - on_calls.get("norm_rope", 0)
+    assert fewer == 2 * layers * steps, (
+        f"two norm_rope launches fewer per layer and step ({layers} layers, {steps} steps): on {on_calls}, "
+        f"off {off_calls}"
+    )
+    took = on_calls.get("prologue", 0) - off_calls.get("prologue", 0)
+    assert took == 2 * layers * steps, f"q_b and o_a took the stored-format prologues: on {on_calls}, off {off_calls}"

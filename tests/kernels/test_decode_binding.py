@@ -182,6 +182,10 @@ def test_gemv_prologue_struct_is_the_c_layout() -> None:
         ({"eps": float("nan")}, "(got eps nan, dim 64)"),
         ({"dim": 32}, "segment 0: the RMSNorm prologue normalizes whole rows: in_features must be dim 32 (got 64)"),
         (
+            {"dim": 4096},
+            "the RMSNorm prologue sums rows of at most 2048 values (engram_norm_rope's register form; got dim 4096)",
+        ),
+        (
             {"kind": decode.PROLOGUE_ROPE, "dim": 12},
             "the RoPE prologue needs dim a positive multiple of 8, 0 <= 2 * "
             "rope_pairs <= dim and rope_sign +-1 (got dim 12, rope_pairs 0, "

@@ -65,7 +65,7 @@ def test_declarations_are_the_header_prototypes() -> None:
     from engram_trt.native import quant_decode as qd
 
     protos = _prototypes()
-    assert len(protos) == 12, sorted(protos)  # the parse found the ABI
+    assert len(protos) == 13, sorted(protos)  # the parse found the ABI
     signatures = {**qk.SIGNATURES, **qd.SIGNATURES}
     assert len(signatures) == len(qk.SIGNATURES) + len(qd.SIGNATURES)  # no entry point bound twice
     assert set(protos) == set(signatures)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from engram_trt.errors import EngramError
+from engram_trt.native import decode
 from engram_trt.native import quant as nq
 from engram_trt.native import quant_decode as qd
 from engram_trt.quant.formats import quantize_fp4, quantize_fp8
@@ -137,6 +138,115 @@ def test_segments_abi_refusals(plugin_lib: Path) -> None:
     assert qd.library().engram_quant_gemv_segments(ctypes.addressof(one), 1, 0, 1, None) == 0  # 0 rows: nothing
 
 
+def _prologue(**change) -> decode._GemvPrologue:
+    f = dict(
+        kind=decode.PROLOGUE_RMSNORM,
+        dim=256,
+        rope_pairs=0,
+        rope_sign=1,
+        eps=1e-6,
+        reserved=0,
+        weight=P16 * 4,
+        cos=None,
+        sin=None,
+        cos_stride=0,
+    )
+    f.update(change)
+    return decode._GemvPrologue(**f)
+
+
+ROPE = dict(kind=decode.PROLOGUE_ROPE, dim=128, rope_pairs=32, rope_sign=-1, cos=P16 * 5, sin=P16 * 6, cos_stride=32)
+
+
+@pytest.mark.parametrize(
+    "change,seg,needle",
+    [
+        ({"kind": 3}, {}, "prologue kind 3 is not NONE (0), RMSNORM (1) or ROPE (2)"),
+        (
+            {"weight": None},
+            {},
+            "the RMSNorm prologue needs a 16-byte aligned fp32 weight, a finite eps >= 0 and an even dim "
+            "(got eps 1e-06, dim 256)",
+        ),
+        ({"weight": P16 * 4 + 4}, {}, "needs a 16-byte aligned fp32 weight"),
+        ({"eps": float("inf")}, {}, "(got eps inf, dim 256)"),
+        ({"dim": 255}, {}, "(got eps 1e-06, dim 255)"),
+        (
+            {"dim": 4096},
+            {},
+            "the RMSNorm prologue sums rows of at most 2048 values (engram_norm_rope's register form; got dim 4096)",
+        ),
+        (
+            {"dim": 128},
+            {},
+            "segment 0: the RMSNorm prologue normalizes whole rows: in_features must be dim 128 (got 256)",
+        ),
+        ({}, {"x_type": 1}, "segment 1: a prologue takes bf16 x (x_type 0; got 1)"),
+        (
+            {},
+            {"in_features": 128, "x_stride": 128},
+            "segment 1: the RMSNorm prologue normalizes whole rows: in_features must be dim 256 (got 128)",
+        ),
+        (
+            dict(ROPE, dim=12),
+            {},
+            "the RoPE prologue needs dim a positive multiple of 8, 0 <= 2 * rope_pairs <= dim and rope_sign +-1 "
+            "(got dim 12, rope_pairs 32, rope_sign -1)",
+        ),
+        (dict(ROPE, rope_pairs=65), {}, "(got dim 128, rope_pairs 65, rope_sign -1)"),
+        (dict(ROPE, rope_sign=0), {}, "(got dim 128, rope_pairs 32, rope_sign 0)"),
+        (
+            dict(ROPE, cos_stride=31),
+            {},
+            "the RoPE prologue needs cos / sin [tokens, >= rope_pairs] fp32 (got cos_stride 31)",
+        ),
+        (dict(ROPE, sin=None), {}, "the RoPE prologue needs cos / sin"),
+        (
+            dict(ROPE, dim=96),
+            {},
+            "segment 0: the RoPE prologue rotates whole heads: in_features must be a multiple of dim 96 (got 256)",
+        ),
+        (dict(ROPE), {"x_type": 1}, "segment 1: a prologue takes bf16 x (x_type 0; got 1)"),
+    ],
+)
+def test_segments_ex_prologue_refusals(plugin_lib: Path, change, seg, needle) -> None:
+    """engram_quant_gemv_segments_ex checks its prologue as engram_gemv_segments_bf16_ex does
+    (one shared check, the same words), and its own rule: a prologue reads bf16 x. ``seg``
+    changes the second segment alone."""
+    segs = (qd._Segment * 2)(_segment(), _segment(**seg))
+    msg = _ex(segs, 1, _prologue(**change))
+    assert isinstance(msg, str) and msg.startswith("engram_quant_gemv_segments_ex: "), msg
+    _one_line(msg, needle)
+
+
+def _ex(segs: ctypes.Array, tokens: int, pro: decode._GemvPrologue | None) -> str | int:
+    """engram_quant_gemv_segments_ex over ``segs`` (flags WEIGHT_STATIC): 0, or the library's
+    message (the structures stay referenced here for the call)."""
+    lib = qd.library()
+    status = lib.engram_quant_gemv_segments_ex(
+        ctypes.addressof(segs), len(segs), tokens, 1, None if pro is None else ctypes.addressof(pro), None
+    )
+    return status if status == 0 else lib.engram_last_error().decode()
+
+
+def test_segments_ex_limits_and_no_prologue(plugin_lib: Path) -> None:
+    one = (qd._Segment * 1)(_segment())
+    bad = (qd._Segment * 1)(_segment(w_type=3))
+    # the segments' own checks first, named by the _ex entry
+    _one_line(_ex(bad, 1, _prologue()), "engram_quant_gemv_segments_ex: segment 0: w_type 3 is not FP8")
+    _one_line(_ex(one, 9, None), "engram_quant_gemv_segments_ex: num_tokens must be in [0, 8] (got 9)")
+    # the old entry is the _ex one without a prologue: its errors still name it
+    _one_line(
+        _refused("engram_quant_gemv_segments", ctypes.addressof(bad), 1, 1, 1, None),
+        "engram_quant_gemv_segments: segment 0: w_type 3",
+    )
+    # no tokens: nothing launched, with no prologue, kind NONE or a valid one
+    for pro in (None, _prologue(kind=decode.PROLOGUE_NONE, weight=None), _prologue(), _prologue(**ROPE)):
+        assert _ex(one, 0, pro) == 0, pro
+    # a prologue is checked even with no tokens (its fields do not depend on them)
+    _one_line(_ex(one, 0, _prologue(kind=7)), "engram_quant_gemv_segments_ex: prologue kind 7")
+
+
 def _moe_args(**change) -> qd._Moe:
     w = dict(w=P16, scale=P16, w_type=1, scale_type=1, bn=1, bk=32, act_group=32, act_ue8m0=1)
     s = dict(w=P16, scale=P16, w_type=0, scale_type=1, bn=128, bk=128, act_group=128, act_ue8m0=0)
@@ -241,3 +351,42 @@ def test_bindings_name_the_bad_argument() -> None:
     with pytest.raises(EngramError, match=r"the shared expert must be gate / up \[I_s, 256\] and down \[256, I_s\]"):
         qd.moe(x, ids, rw, stack, stack, dstack, shared=bad_shared, limit=None)
     assert "CUDA" in qd.moe_reason(x, 2, stack, stack, dstack, None)
+
+
+def test_prologue_binding_names_the_bad_argument() -> None:
+    """gemv_segments(prologue=...) refuses a prologue the library would refuse, in one line
+    naming the field, before any device check (on CPU tensors a valid prologue reaches the
+    devices' check: x must be a CUDA tensor)."""
+    T, K = 2, 256
+    x = torch.zeros(T, K, dtype=torch.bfloat16)
+    w = _qw("fp8", 200, K)
+    out = torch.zeros(T, 200, dtype=torch.bfloat16)
+    cos, sin = torch.ones(T, 32), torch.ones(T, 32)
+    norm_w = torch.ones(K)
+    G = decode.GemvPrologue
+    R, N = decode.PROLOGUE_ROPE, decode.PROLOGUE_RMSNORM
+    for pro, needle in (
+        (G(5, K), "prologue.kind 5 is not PROLOGUE_NONE, PROLOGUE_RMSNORM or PROLOGUE_ROPE"),
+        (G(N, K), "prologue.weight must be given for the RMSNorm prologue"),
+        (G(N, K, weight=norm_w, eps=float("nan")), "prologue.eps must be finite and >= 0 (got nan)"),
+        (G(N, K, weight=norm_w, eps=-1.0), "prologue.eps must be finite and >= 0 (got -1.0)"),
+        (G(N, 4096, weight=norm_w), "prologue.dim must be even and in [2, 2048] for the RMSNorm prologue (got 4096)"),
+        (G(N, 255, weight=norm_w), "(got 255)"),
+        (G(N, 128, weight=norm_w[:128]), "segments[0].x has 256 features; the RMSNorm prologue normalizes whole rows"),
+        (G(N, K, weight=norm_w.double()), "prologue.weight must have dtype torch.float32 (got torch.float64)"),
+        (G(N, K, weight=norm_w[:128]), "prologue.weight must be a contiguous [256] (got (128,))"),
+        (G(N, K, weight=torch.ones(K + 1)[1:]), "prologue.weight must be 16-byte aligned"),
+        (G(R, 12, rope_pairs=4, cos=cos, sin=sin), "the RoPE prologue needs prologue.dim a positive multiple of 8"),
+        (G(R, 128, rope_pairs=65, cos=cos, sin=sin), "(got dim 128, rope_pairs 65, rope_sign 1)"),
+        (G(R, 128, rope_pairs=32, cos=cos, sin=sin, rope_sign=2), "(got dim 128, rope_pairs 32, rope_sign 2)"),
+        (G(R, 128, rope_pairs=32), "prologue.cos and prologue.sin must be given"),
+        (G(R, 96, rope_pairs=32, cos=cos, sin=sin), "segments[0].x has 256 features; the RoPE prologue rotates whole"),
+        (G(R, 128, rope_pairs=32, cos=cos[:1], sin=sin[:1]), "prologue.cos / sin must be [2, >= 32]"),
+        (G(R, 128, rope_pairs=32, cos=cos.double(), sin=sin), "prologue.cos must have dtype torch.float32"),
+    ):
+        with pytest.raises(EngramError) as exc:
+            qd.gemv_segments([(x, w, out)], prologue=pro)
+        _one_line(str(exc.value), needle)
+    for pro in (G(N, K, weight=norm_w, eps=1e-6), G(R, 128, rope_pairs=32, cos=cos, sin=sin, rope_sign=-1)):
+        with pytest.raises(EngramError, match=r"segments\[0\]\.x must be a CUDA tensor"):
+            qd.gemv_segments([(x, w, out)], prologue=pro)

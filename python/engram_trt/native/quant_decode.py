@@ -7,7 +7,11 @@
   activations quantized per the weight's kind exactly as ``quant.formats.act_quant``
   (:data:`engram_trt.native.quant.ACT_QUANT`: fp8 per 128 columns with float32 scales, fp4
   per 32 with ue8m0; bf16 as given): what :func:`engram_trt.native.quant.linear` computes
-  for each, in one launch instead of one each.
+  for each, in one launch instead of one each; with a ``prologue``
+  (:class:`engram_trt.native.decode.GemvPrologue`, the bf16 GEMV's) each x first
+  RMS-normalized (``q_a_norm`` before ``q_b``) or its heads rotated back (the inverse RoPE
+  before ``o_a``) inside the launch, the bits of :func:`engram_trt.native.decode.norm_rope`
+  into a bf16 buffer then the product (``engram_quant_gemv_segments_ex``).
 * :func:`moe`: the routed experts (stacks ``[E, I, D]`` / ``[E, D, I]``) and the shared
   expert in two launches: :func:`engram_trt.native.quant.experts` followed by the shared
   expert's products and clamped SwiGLU in the module's dtype, rounded where they round.
@@ -19,10 +23,12 @@ library checks the rest. Nothing is read back on the host: a CUDA graph can reco
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from engram_trt.errors import EngramError
+from engram_trt.native import decode
 from engram_trt.native import quant_kernels as qk
 from engram_trt.native.library import (
     EntryPoints,
@@ -41,6 +47,7 @@ MIN_CAPABILITY = 9  # the fused decode glue's GPUs (sm_90+)
 # the most shared memory the bindings let a block's staged activations take (every sm_90 GPU
 # gives a block 227 KiB; the kernels refuse more than the GPU gives)
 STAGED_MAX_BYTES = 160 * 1024
+NORM_PROLOGUE_MAX_DIM = 2048  # the RMSNorm prologue's rows: norm_rope's register form (its sum order)
 ACT_QUANT = {"fp8": (128, False), "fp4": (32, True)}  # = native.quant.ACT_QUANT (tests tie them)
 
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -108,6 +115,7 @@ class _Moe(ctypes.Structure):
 
 SIGNATURES: dict[str, list[Any]] = {
     "engram_quant_gemv_segments": [_vp, _i32, _i64, ctypes.c_uint32, _vp],
+    "engram_quant_gemv_segments_ex": [_vp, _i32, _i64, ctypes.c_uint32, _vp, _vp],
     "engram_quant_moe_workspace_size": [_i64, _i32, _i32, _i32, _vp],
     "engram_quant_moe": [_vp, _vp],
 }
@@ -202,11 +210,66 @@ def _rows(name: str, t: Any, dtype: Any, width: int) -> tuple[int, int]:
     return int(t.shape[0]), int(t.stride(0)) if t.shape[0] > 1 else max(int(t.stride(0)), width)
 
 
-def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True) -> None:
+def _prologue_fields(pro: decode.GemvPrologue, widths: list[int]) -> None:
+    """The scalar fields of ``pro`` against the segments' widths, as the library checks them."""
+    if pro.kind == decode.PROLOGUE_RMSNORM:
+        if not (math.isfinite(pro.eps) and pro.eps >= 0):
+            raise EngramError(f"prologue.eps must be finite and >= 0 (got {pro.eps})")
+        if pro.dim < 2 or pro.dim % 2 or pro.dim > NORM_PROLOGUE_MAX_DIM:
+            raise EngramError(
+                f"prologue.dim must be even and in [2, {NORM_PROLOGUE_MAX_DIM}] for the RMSNorm prologue "
+                f"(got {pro.dim})"
+            )
+        bad = [i for i, k in enumerate(widths) if k != pro.dim]
+        if bad:
+            raise EngramError(
+                f"segments[{bad[0]}].x has {widths[bad[0]]} features; the RMSNorm prologue normalizes whole rows of "
+                f"prologue.dim {pro.dim}"
+            )
+    elif pro.kind == decode.PROLOGUE_ROPE:
+        if pro.dim < 8 or pro.dim % 8 or not 0 <= 2 * pro.rope_pairs <= pro.dim or pro.rope_sign not in (1, -1):
+            raise EngramError(
+                f"the RoPE prologue needs prologue.dim a positive multiple of 8, 0 <= 2 * rope_pairs <= dim and "
+                f"rope_sign +-1 (got dim {pro.dim}, rope_pairs {pro.rope_pairs}, rope_sign {pro.rope_sign})"
+            )
+        if pro.rope_pairs and (pro.cos is None or pro.sin is None):
+            raise EngramError("prologue.cos and prologue.sin must be given for a RoPE prologue with rope_pairs > 0")
+        bad = [i for i, k in enumerate(widths) if k % pro.dim]
+        if bad:
+            raise EngramError(
+                f"segments[{bad[0]}].x has {widths[bad[0]]} features; the RoPE prologue rotates whole heads of "
+                f"prologue.dim {pro.dim}"
+            )
+
+
+def _pack_prologue(pro: decode.GemvPrologue, widths: list[int], T: int) -> Any:
+    """``pro`` as the library takes it (decode's ctypes structure), checked first: its kind,
+    its fields against the segments' widths, then its tensors' dtypes, shapes and alignment."""
+    if pro.kind == decode.PROLOGUE_RMSNORM and pro.weight is None:
+        raise EngramError("prologue.weight must be given for the RMSNorm prologue (float32 [dim])")
+    if pro.kind not in (decode.PROLOGUE_RMSNORM, decode.PROLOGUE_ROPE, decode.PROLOGUE_NONE):
+        raise EngramError(f"prologue.kind {pro.kind} is not PROLOGUE_NONE, PROLOGUE_RMSNORM or PROLOGUE_ROPE")
+    _prologue_fields(pro, widths)
+    packed = decode._pack_prologue(pro, T)
+    if pro.kind == decode.PROLOGUE_RMSNORM and pro.weight.data_ptr() % 16:
+        raise EngramError("prologue.weight must be 16-byte aligned")
+    return packed
+
+
+def gemv_segments(
+    segments: Sequence[tuple[Any, Any, Any]],
+    *,
+    weight_static: bool = True,
+    prologue: decode.GemvPrologue | None = None,
+) -> None:
     """``out = x @ W^T`` for each ``(x [T, K] bf16, weight, out [T, N] bf16)`` of ``segments``
     (weight a ``QuantWeight`` [N, K] or a bf16 ``[N, K]`` tensor; x and out may be slices with
     a row stride), in one launch; the activations quantized per the weight's kind.
-    ``weight_static``: the weights are a model's (loaded before the wait for the kernel before)."""
+    ``weight_static``: the weights are a model's (loaded before the wait for the kernel before).
+    ``prologue``: each x taken through it first (:class:`engram_trt.native.decode.GemvPrologue`:
+    the RMSNorm of every segment's whole row, each segment ``prologue.dim`` wide; or the
+    RoPE of heads of ``prologue.dim`` channels, each segment's x starting at a head), as
+    :func:`engram_trt.native.decode.norm_rope` would have written it to a bf16 buffer."""
     torch = torch_module()
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise EngramError(f"gemv_segments takes 1..{MAX_SEGMENTS} segments (got {len(segments)})")
@@ -227,6 +290,7 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         if int(x.shape[1]) != w.in_features:
             raise EngramError(f"segments[{i}].x has {x.shape[1]} features, the weight takes {w.in_features}")
         checked.append((w, xs, os_))
+    pro = None if prologue is None else _pack_prologue(prologue, [w.in_features for w, _xs, _os in checked], T)
     for i, ((x, _weight, out), (w, xs, os_)) in enumerate(zip(segments, checked)):  # then devices
         for name, t in ((f"segments[{i}].x", x), (f"segments[{i}].out", out)):
             if not t.is_cuda:
@@ -255,13 +319,22 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
             group,
             int(ue8m0),
         )
+    flags = qk.QGEMV_WEIGHT_STATIC if weight_static else 0
+    if prologue is None:
+        with device_guard(device.index):
+            _call("engram_quant_gemv_segments", ctypes.addressof(packed), len(segments), T, flags, stream_of(device))
+        return
+    decode._on_device(
+        device, **{"prologue.weight": prologue.weight, "prologue.cos": prologue.cos, "prologue.sin": prologue.sin}
+    )
     with device_guard(device.index):
         _call(
-            "engram_quant_gemv_segments",
+            "engram_quant_gemv_segments_ex",
             ctypes.addressof(packed),
             len(segments),
             T,
-            qk.QGEMV_WEIGHT_STATIC if weight_static else 0,
+            flags,
+            ctypes.addressof(pro),
             stream_of(device),
         )
 

@@ -376,3 +376,87 @@ def test_batch_steps_route_in_one_launch(monkeypatch: pytest.MonkeyPatch, mix: s
             assert calls.get("moe_route", 0) - before == (n if inside else 0), name
             forms = {layer.mlp.last_form for layer in model.model.layers}
             assert (forms == {"fused"}) == inside, (name, forms)  # past it: the module's forms (a CPU's: loop)
+
+
+def _stored_emulation(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
+    """native.quant_decode's segments emulated over the dequantized weights (its contract:
+    the prologue's output, then each product), every stored weight taken, norm_rope emulated;
+    the launches counted (``prologue`` the segment launches given one)."""
+    from types import SimpleNamespace
+
+    from engram_trt.models.deepseek_v4 import fused
+    from engram_trt.native import decode
+
+    def segments(segs, *, weight_static=True, prologue=None):
+        calls["segments"] = calls.get("segments", 0) + 1
+        calls["prologue"] = calls.get("prologue", 0) + (prologue is not None)
+        plain = [(x, w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32), o) for x, w, o in segs]
+        _gemv_segments(plain, prologue=prologue)
+
+    def norm_rope(*jobs):
+        calls["norm_rope"] = calls.get("norm_rope", 0) + 1
+        _norm_rope(*jobs)
+
+    qd = SimpleNamespace(MAX_SEGMENTS=8, segment_reason=lambda x, w: None, gemv_segments=segments)
+    monkeypatch.setattr(fused, "_quant_fused", lambda: qd)
+    monkeypatch.setattr(decode, "norm_rope", norm_rope)
+    monkeypatch.setattr(decode, "gemv_fits", lambda x, w: False)
+
+
+def _fp8(module: Any, gen: torch.Generator) -> Any:
+    """``module`` (a QuantLinear / QuantGroupedLinear of FP8 128x128 ue8m0) filled with a random weight."""
+    from engram_trt.quant.formats import quantize_fp8
+
+    rows, cols = module.weight.shape
+    module.weight, module.weight_scale_inv = quantize_fp8(torch.randn(rows, cols, generator=gen), (128, 128), "ue8m0")
+    return module
+
+
+def test_stored_prologues_take_the_norm_and_rope_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stored-format branches of the fused glue with ENGRAM_TRT_DSV4_QUANT_PROLOGUE (the
+    segments emulated on the CPU): q_a_norm before an FP8 q_b and a bf16 indexer q_b, and the
+    inverse RoPE before an FP8 grouped o_a, in the segments' prologues with the switch at 1
+    (no norm_rope launch), as their own norm_rope launches first at 0 (the default) or with
+    ENGRAM_TRT_DSV4_PROLOGUE=0; the same outputs either way."""
+    from types import SimpleNamespace
+
+    from engram_trt.models.deepseek_v4 import fused
+    from engram_trt.models.deepseek_v4.modules import QuantGroupedLinear
+    from engram_trt.native import decode
+    from engram_trt.quant.weight import QuantLinear
+
+    gen = torch.Generator().manual_seed(9)
+    T, q_lora, H, d, pairs, groups = 3, 192, 4, 64, 16, 2
+    norm = SimpleNamespace(weight=1 + 0.2 * torch.randn(q_lora, generator=gen), eps=1e-6)
+    q_mods = [_fp8(QuantLinear(q_lora, H * d, "fp8", (128, 128), "ue8m0"), gen), torch.nn.Linear(q_lora, 96, False)]
+    o_a = _fp8(QuantGroupedLinear(H * d // groups, 128 * groups, groups, "fp8", (128, 128), "ue8m0"), gen)
+    attn = SimpleNamespace(head_dim=d, o_a_proj=o_a, config=SimpleNamespace(o_groups=groups))
+    q_a = torch.randn(T, q_lora, generator=gen)
+    core = torch.randn(T, H * d, generator=gen)
+    ang = torch.rand(T, pairs, generator=gen) * 6.0
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    runs = {}
+    for switches in (("0", "1"), ("1", "1"), ("1", "0")):  # (QUANT_PROLOGUE, PROLOGUE)
+        calls: dict[str, int] = {}
+        with monkeypatch.context() as mp:
+            _stored_emulation(mp, calls)
+            mp.setenv(fused.QUANT_PROLOGUE_ENV, switches[0])
+            mp.setenv(fused.PROLOGUE_ENV, switches[1])
+            q_outs = fused._normed_projection(norm, q_a, q_mods)
+            if q_outs is None:  # attention's own path: the norm launch, then the projections
+                normed = torch.empty_like(q_a)
+                decode.norm_rope(
+                    decode.NormRopeJob(q_a, normed, dim=q_lora, norm=decode.NORM_WEIGHTED, weight=norm.weight, eps=1e-6)
+                )
+                q_outs = fused._project_stored(normed, q_mods, fused._quant_fused())
+            flat = core.clone()
+            y = fused._grouped_output(attn, flat, cos, sin, pairs)
+        runs[switches] = (q_outs, y, calls, flat)
+    off, on, all_off = runs[("0", "1")], runs[("1", "1")], runs[("1", "0")]
+    for name, run in (("on", on), ("PROLOGUE=0", all_off)):
+        assert all(torch.equal(a, b) for a, b in zip(run[0], off[0])), f"{name}: q_b outputs equal the two launches'"
+        assert torch.equal(run[1], off[1]), f"{name}: grouped o_a output equals the two launches'"
+    assert off[2] == {"norm_rope": 2, "segments": 2, "prologue": 0}, off[2]
+    assert all_off[2] == off[2], all_off[2]
+    assert on[2] == {"segments": 2, "prologue": 2}, on[2]
+    assert torch.equal(on[3], core) and not torch.equal(off[3], core), "the prologue leaves the core's output as it was"

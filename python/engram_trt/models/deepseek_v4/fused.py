@@ -17,7 +17,10 @@ Per layer, with the step's tokens ``x [T, D]`` (bf16 on a GPU of compute capabil
   with the inverse RoPE of the core's output in its prologue, one for ``o_b``: five
   launches around the core (the prologues' norm and rotation are the element-wise
   launches' own arithmetic, so the bits are theirs; ``ENGRAM_TRT_DSV4_PROLOGUE=0`` runs
-  them as launches of their own, for A/B);
+  them as launches of their own, for A/B); with stored-format (FP8) ``q_b`` / ``o_a``
+  weights the stored-format segments' prologues do the same
+  (``ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1``, opt-in until tests/gpu/test_quant_decode.py's
+  prologue tests have run on a GPU; else the norm and the inverse RoPE launch first);
 * the MoE (:func:`moe`): one launch for the router's logits, one for its picks and
   weights, two for the routed experts with the shared expert (combined in the reference's
   order); a step of more tokens than the GEMV takes, up to ``BATCH_ROUTE_MAX_TOKENS`` (a
@@ -48,6 +51,8 @@ QUANT_FUSED_ENV = "ENGRAM_TRT_DSV4_QUANT_FUSED"  # 0: stored-format weights one 
 # the router's picks in one launch for steps up to this many tokens (a batch of decode streams)
 BATCH_ROUTE_MAX_TOKENS = 64
 PROLOGUE_ENV = "ENGRAM_TRT_DSV4_PROLOGUE"  # "0": q_a_norm and the inverse RoPE as their own launches (A/B)
+# "1": the stored-format segments take those prologues too (opt-in: not yet run on a GPU); PROLOGUE_ENV=0 wins
+QUANT_PROLOGUE_ENV = "ENGRAM_TRT_DSV4_QUANT_PROLOGUE"
 
 
 def unavailable(x: Tensor) -> str | None:
@@ -94,6 +99,19 @@ def _quant_fused() -> Any:
     return quant_decode if quant_decode.unavailable() is None else None
 
 
+def _quant_prologue() -> Any:
+    """:func:`_quant_fused`'s module where its segments take the GEMV prologues
+    (``ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1`` and ``ENGRAM_TRT_DSV4_PROLOGUE`` not 0), else None."""
+    if os.environ.get(QUANT_PROLOGUE_ENV, "0") != "1" or os.environ.get(PROLOGUE_ENV, "1") == "0":
+        return None
+    return _quant_fused()
+
+
+def _out_features(w: Any) -> int:
+    """Output width of a segment weight (a QuantWeight's ``out_features``, a tensor's rows)."""
+    return int(w.shape[0]) if isinstance(w, Tensor) else int(w.out_features)
+
+
 def _segment_weight(x: Tensor, mod: nn.Module, qd: Any) -> Any:
     """The weight :func:`engram_trt.native.quant_decode.gemv_segments` takes for ``mod(x)``
     (a bias-free QuantLinear's stored weight, or a bias-free bf16 Linear's), or None."""
@@ -125,9 +143,7 @@ def _project_stored(x: Tensor, mods: list[nn.Module], qd: Any) -> list[Tensor] |
         if w is None:
             outs.append(mod(x))
             continue
-        out = torch.empty(
-            (x.shape[0], w.out_features if not isinstance(w, Tensor) else w.shape[0]), dtype=x.dtype, device=x.device
-        )
+        out = torch.empty((x.shape[0], _out_features(w)), dtype=x.dtype, device=x.device)
         segments.append((x, w, out))
         outs.append(out)
     for first in range(0, len(segments), qd.MAX_SEGMENTS):
@@ -201,15 +217,8 @@ def attention(
     q_mods: list[nn.Module] = [attn.q_b_proj] + ([ix.q_b_proj] if ix is not None else [])
     q_residual: Tensor | None = None
     late: list[Any] = []  # jobs for the launch after q_b's
-    if _prologue_serves(q_a, q_mods):
-        # q_a_norm inside q_b's GEMV (its prologue: the norm launch's bits); kv's norm + RoPE join the q heads' launch
-        q_outs = [torch.empty((T, m.weight.shape[0]), dtype=x.dtype, device=x.device) for m in q_mods]
-        decode.gemv_segments(
-            [(q_a, m.weight, o) for m, o in zip(q_mods, q_outs)],
-            prologue=decode.GemvPrologue(
-                decode.PROLOGUE_RMSNORM, int(q_a.shape[1]), weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps
-            ),
-        )
+    q_outs = _normed_projection(attn.q_a_norm, q_a, q_mods)
+    if q_outs is not None:  # q_a_norm in q_b's product launch; kv's norm + RoPE join the q heads' launch
         late.append(kv_job)
     else:
         q_residual = torch.empty_like(q_a)
@@ -249,23 +258,70 @@ def attention(
     return project(grouped, [attn.o_b_proj])[0]
 
 
-def _prologue_serves(x: Tensor, mods: list[nn.Module]) -> bool:
-    """Whether the GEMV takes ``x``'s weighted RMSNorm in its prologue for every module of
-    ``mods`` (plain bias-free bf16 ``nn.Linear`` weights the GEMV fits; an even width of at
-    most 2048, where :func:`~engram_trt.native.decode.norm_rope` keeps the row in registers
-    and the prologue's sum is its own; ``ENGRAM_TRT_DSV4_PROLOGUE`` not ``0``)."""
+def _norm_prologue(norm: nn.Module, x: Tensor) -> Any:
+    """The GEMV prologue of ``norm`` (a weighted RMSNorm) over ``x``'s rows, or None where
+    none serves: an odd width or one above 2048 (:func:`~engram_trt.native.decode.norm_rope`
+    keeps rows of up to 2048 in registers, and the prologue's sum is that form's),
+    ``ENGRAM_TRT_DSV4_PROLOGUE=0``."""
     from engram_trt.native import decode
 
     if os.environ.get(PROLOGUE_ENV, "1") == "0" or x.shape[1] % 2 or x.shape[1] > 2048:
-        return False
-    return all(isinstance(m, nn.Linear) and m.bias is None and decode.gemv_fits(x, m.weight) for m in mods)
+        return None
+    return decode.GemvPrologue(decode.PROLOGUE_RMSNORM, int(x.shape[1]), weight=_f32(norm.weight), eps=norm.eps)
+
+
+def _normed_projection(norm: nn.Module, x: Tensor, mods: list[nn.Module]) -> list[Tensor] | None:
+    """Each module's output for ``norm(x)`` (q_a_norm, then q_b and the indexer's q_b) in
+    one launch with the norm in its prologue: the bf16 GEMV's for plain bias-free bf16
+    ``nn.Linear`` weights it fits, the stored-format segments' (:func:`_stored_prologue`)
+    where a stored-format weight is among them; None where neither serves (the norm's
+    own launch first)."""
+    from engram_trt.native import decode
+
+    prologue = _norm_prologue(norm, x)
+    if prologue is None:
+        return None
+    if all(isinstance(m, nn.Linear) and m.bias is None and decode.gemv_fits(x, m.weight) for m in mods):
+        outs = [torch.empty((x.shape[0], m.weight.shape[0]), dtype=x.dtype, device=x.device) for m in mods]
+        decode.gemv_segments([(x, m.weight, o) for m, o in zip(mods, outs)], prologue=prologue)
+        return outs
+    return _stored_prologue(x, mods, prologue)
+
+
+def _stored_prologue(x: Tensor, mods: list[nn.Module], prologue: Any) -> list[Tensor] | None:
+    """:func:`_project_stored` of the prologue's output without its launch: every module a
+    segment weight of :func:`engram_trt.native.quant_decode.gemv_segments`, a stored-format
+    one among them, one launch taking ``prologue`` (:func:`_quant_prologue`); else None."""
+    from engram_trt.quant.weight import QuantLinear
+
+    qd = _quant_prologue()
+    if qd is None or len(mods) > qd.MAX_SEGMENTS:
+        return None
+    weights = [_segment_weight(x, m, qd) for m in mods]
+    if any(w is None for w in weights) or not any(isinstance(m, QuantLinear) for m in mods):
+        return None
+    outs = [torch.empty((x.shape[0], _out_features(w)), dtype=x.dtype, device=x.device) for w in weights]
+    qd.gemv_segments([(x, w, o) for w, o in zip(weights, outs)], prologue=prologue)
+    return outs
+
+
+def _rope_prologue(d: int, per_in: int, pairs: int, cos: Tensor, sin: Tensor) -> Any:
+    """The inverse RoPE of heads of ``d`` channels as a GEMV prologue for groups of
+    ``per_in`` channels, or None where it cannot be one (a group not starting at a head,
+    ``d`` not a multiple of 8, ``ENGRAM_TRT_DSV4_PROLOGUE=0``)."""
+    from engram_trt.native import decode
+
+    if per_in % d or d % 8 or os.environ.get(PROLOGUE_ENV, "1") == "0":
+        return None
+    return decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1)
 
 
 def _grouped_output(attn: Any, flat: Tensor, cos: Tensor, sin: Tensor, pairs: int) -> Tensor:
     """``o_a_proj`` of the attention core's output ``flat [T, H * d]`` after its inverse RoPE:
     for a plain bf16 weight its groups as segments of one GEMV launch, the inverse RoPE in
     the GEMV's prologue where every group starts at a head (else one norm_rope launch first);
-    else the inverse RoPE launch and the module's own forward."""
+    a stored-format weight's groups likewise through :func:`_grouped_stored`; else the
+    inverse RoPE launch and the module's own forward."""
     from engram_trt.native import decode
 
     T = flat.shape[0]
@@ -277,15 +333,11 @@ def _grouped_output(attn: Any, flat: Tensor, cos: Tensor, sin: Tensor, pairs: in
     inverse = decode.NormRopeJob(
         flat, flat, dim=d, heads=flat.shape[1] // d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1
     )
+    rope = _rope_prologue(d, per_in, pairs, cos, sin)
     if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == flat.dtype and per_in % 8 == 0:
         rows = w.shape[0] // groups
         if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):  # bf16 alone
-            prologue = None
-            if per_in % d == 0 and d % 8 == 0 and os.environ.get(PROLOGUE_ENV, "1") != "0":
-                prologue = decode.GemvPrologue(
-                    decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1
-                )
-            else:
+            if rope is None:
                 decode.norm_rope(inverse)
             y = torch.empty((T, w.shape[0]), dtype=flat.dtype, device=flat.device)
             segments = [
@@ -293,19 +345,23 @@ def _grouped_output(attn: Any, flat: Tensor, cos: Tensor, sin: Tensor, pairs: in
                 for g in range(groups)
             ]
             for first in range(0, groups, decode.MAX_SEGMENTS):
-                decode.gemv_segments(segments[first : first + decode.MAX_SEGMENTS], prologue=prologue)
+                decode.gemv_segments(segments[first : first + decode.MAX_SEGMENTS], prologue=rope)
             return y
-    decode.norm_rope(inverse)
-    stored = _grouped_stored(mod, flat, groups, per_in)  # a stored-format (FP8) o_a: its groups in one launch
+    stored = _grouped_stored(mod, flat, groups, per_in, inverse, rope)  # a stored-format (FP8) o_a: one launch
     if stored is not None:
         return stored
+    decode.norm_rope(inverse)
     return mod(flat.view(T, groups, per_in)).flatten(1)
 
 
-def _grouped_stored(mod: nn.Module, flat: Tensor, groups: int, per_in: int) -> Tensor | None:
+def _grouped_stored(mod: nn.Module, flat: Tensor, groups: int, per_in: int, inverse: Any, rope: Any) -> Tensor | None:
     """A stored-format grouped ``o_a_proj`` (QuantGroupedLinear) of ``flat [T, groups *
-    per_in]``: its groups as segments of one :func:`engram_trt.native.quant_decode.gemv_segments`
-    launch (each group's rows a QuantWeight view), or None."""
+    per_in]`` after the inverse RoPE: its groups as segments of one
+    :func:`engram_trt.native.quant_decode.gemv_segments` launch (each group's rows a
+    QuantWeight view), the rotation in its prologue (``rope``, where :func:`_quant_prologue`
+    serves) or the ``inverse`` launch first; None (nothing launched) where it does not serve."""
+    from engram_trt.native import decode
+
     if not mod.stored_format:  # a GroupedLinear (declared by both grouped kinds)
         return None
     qd = _quant_fused()
@@ -319,7 +375,10 @@ def _grouped_stored(mod: nn.Module, flat: Tensor, groups: int, per_in: int) -> T
         return None
     rows = parts[0].out_features
     y = torch.empty((flat.shape[0], rows * groups), dtype=flat.dtype, device=flat.device)
-    qd.gemv_segments([(xs[g], parts[g], y[:, g * rows : (g + 1) * rows]) for g in range(groups)])
+    prologue = rope if _quant_prologue() is not None else None
+    if prologue is None:
+        decode.norm_rope(inverse)
+    qd.gemv_segments([(xs[g], parts[g], y[:, g * rows : (g + 1) * rows]) for g in range(groups)], prologue=prologue)
     return y
 
 
@@ -445,6 +504,7 @@ __all__ = [
     "FUSED_ENV",
     "PROLOGUE_ENV",
     "QUANT_FUSED_ENV",
+    "QUANT_PROLOGUE_ENV",
     "QUANT_STATIC_ENV",
     "attention",
     "moe",
