@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
 #endif
 }
 
-// The split form (ENGRAM_TRT_HC_MIX_SPLIT=1; opt-in until tests/gpu/test_qwen4_fused.py has passed with it): a warp
+// The split form (the default where it fits; ENGRAM_TRT_HC_MIX_SPLIT=0 takes the form above, an A/B switch): a warp
 // per (channel d, stream h) instead of a warp per channel walking the hc streams one after the other, so a channel's
 // hc rows of `up` are read by hc warps at once (hc times the loads in flight, and no warp waits on hc dependent
 // reads). Each (t, h) product is the lanes' same sums in the same order, the same butterfly and roundings; the hc
@@ -257,11 +257,12 @@ __global__ void __launch_bounds__(kSplitThreads) hcMixSplitKernel(EngramHcMix a)
 #endif
 }
 
-//! ENGRAM_TRT_HC_MIX_SPLIT=1: the split form (read at each launch: a graph records the one its capture took).
+//! The split form unless ENGRAM_TRT_HC_MIX_SPLIT=0 (an A/B switch, read at each launch: a graph records the one its
+//! capture took).
 bool splitChosen()
 {
     char const* const text = std::getenv("ENGRAM_TRT_HC_MIX_SPLIT");
-    return text != nullptr && text[0] == '1' && text[1] == '\0';
+    return text == nullptr || !(text[0] == '0' && text[1] == '\0');
 }
 
 } // namespace

@@ -41,19 +41,20 @@ def test_one_stream_serves_one_sequence_a_step(capsys, tmp_path, tiny_ckpt):
     assert one["steps"] == 5 and one["mean_seqs_per_step"] == 1.0
     # three streams: 15 tokens over the steps they took, between fully batched and one at a time
     assert 5 <= three["steps"] <= 15 and three["mean_seqs_per_step"] == 15 / three["steps"]
-    assert one["chained_steps"] == three["chained_steps"] == 0  # the overlapped decode is opt-in
+    # the overlapped decode (default): one stream's last three decode steps queued ahead (the
+    # first follows the prefill, which is not a decode step), and some of three streams'
+    assert one["chained_steps"] == 3 and three["chained_steps"] > 0
     row = next(line.split() for line in printed.splitlines() if line.split()[:1] == ["1"])
     assert row[-1] == "1.0", printed
 
 
-def test_overlapped_decode_steps_are_counted(capsys, tmp_path, tiny_ckpt, monkeypatch):
-    """ENGRAM_TRT_OVERLAP=1: of one stream's four decode steps, the last three are queued
-    before the step before's tokens are read (the first follows the prefill, which is
-    not a decode step); the step count is the serial loop's."""
-    monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "1")
+def test_serial_decode_steps_are_not_counted_as_queued(capsys, tmp_path, tiny_ckpt, monkeypatch):
+    """ENGRAM_TRT_OVERLAP=0: no decode step is queued before the step before's tokens are
+    read; the step count is the overlapped loop's."""
+    monkeypatch.setenv("ENGRAM_TRT_OVERLAP", "0")
     res, _ = _serve(capsys, tmp_path, tiny_ckpt, "--concurrency", "1")
     one = res["levels"]["1"]
-    assert one["steps"] == 5 and one["chained_steps"] == 3
+    assert one["steps"] == 5 and one["chained_steps"] == 0
 
 
 def test_a_prompt_in_chunks_samples_at_its_last_chunk(capsys, tmp_path, tiny_ckpt):

@@ -53,7 +53,7 @@ def _fused(on: bool):
 
 
 def _gdn_glue():
-    """The Gated DeltaNet glue's opt-in switch on (fused.GDN_GLUE_ENV)."""
+    """The Gated DeltaNet glue's switch on (fused.GDN_GLUE_ENV; on by default, set here explicitly)."""
     from engram_trt.models.qwen4_exp import fused
 
     return env(fused.GDN_GLUE_ENV, "1")
@@ -317,8 +317,8 @@ def test_hc_mix_equals_the_module(rng, D, hc, rank, inject, T) -> None:
     [(2048, 4, 320, 1), (2048, 4, 320, 8), (96, 3, 24, 16), (64, 8, 760, 16), (40, 5, 16, 3), (33, 1, 8, 2)],
 )
 def test_hc_mix_split_form_gives_the_same_bits(rng, monkeypatch, D, hc, rank, T) -> None:
-    """ENGRAM_TRT_HC_MIX_SPLIT=1 (a warp per channel and stream, hcMixKernel.cu's split form)
-    against the default form on the same inputs: the same bits, mixed and injection weights
+    """The split form (a warp per channel and stream, hcMixKernel.cu's default) against the
+    warp-per-channel form (ENGRAM_TRT_HC_MIX_SPLIT=0) on the same inputs: the same bits, mixed and injection weights
     (the same sums in the same order); (64, 8, 760, 16) fills the shared memory the split form
     may take, odd hc leave warps of a block idle, D not a multiple of the channels a block serves."""
     import torch
@@ -331,13 +331,13 @@ def test_hc_mix_split_form_gives_the_same_bits(rng, monkeypatch, D, hc, rank, T)
         normed = c.hc_norm(streams)
         z = c.input_mix_weight_down(normed)
         logits = c.block_inject_weight(normed)
-        monkeypatch.delenv("ENGRAM_TRT_HC_MIX_SPLIT", raising=False)
+        monkeypatch.setenv("ENGRAM_TRT_HC_MIX_SPLIT", "0")
         want = decode.hc_mix(z, c.input_mix_weight_up.weight, normed, logits, hc=hc)
-        monkeypatch.setenv("ENGRAM_TRT_HC_MIX_SPLIT", "1")
+        monkeypatch.delenv("ENGRAM_TRT_HC_MIX_SPLIT", raising=False)
         got = decode.hc_mix(z, c.input_mix_weight_up.weight, normed, logits, hc=hc)
     torch.cuda.synchronize()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (
-        f"D {D} hc {hc} rank {rank} T {T}: split form's mix differs from the default form's in "
+        f"D {D} hc {hc} rank {rank} T {T}: split form's mix differs from the warp-per-channel form's in "
         f"{int((got[0] != want[0]).sum())} of {want[0].numel()} values"
     )
 
@@ -408,7 +408,7 @@ def test_fused_model_decode_within_round_off(monkeypatch) -> None:
 
     fused.moe, fused.gdn_gates, fused.gated_norm = counted, counted_gates, counted_norm
     n_linear = sum(kind == "linear_attention" for kind in cfg.layer_types)
-    monkeypatch.setenv(fused.GDN_GLUE_ENV, "1")  # the Gated DeltaNet glue is opt-in
+    monkeypatch.delenv(fused.GDN_GLUE_ENV, raising=False)  # the Gated DeltaNet glue: on by default
     try:
         gen = torch.Generator().manual_seed(5)
         prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 10)]

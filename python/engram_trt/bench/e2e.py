@@ -547,7 +547,7 @@ def report(res: dict[str, Any]) -> list[str]:
         )
     lines.append(f"  bench serve ({res['serve']['backend']}):")
     for n, lvl in sorted(res["serve"]["levels"].items()):
-        queued = lvl.get("chained_steps")  # the overlapped decode (ENGRAM_TRT_OVERLAP=1): said when it ran
+        queued = lvl.get("chained_steps")  # the overlapped decode (off with ENGRAM_TRT_OVERLAP=0): said when it ran
         lines.append(
             f"    {n:>3} streams {_fmt(lvl.get('tokens_per_s')):>10} tokens/s  x{_fmt(lvl.get('ratio_to_one'), '.2f')} "
             f"one stream" + (f"  ({queued} decode steps queued ahead)" if queued else "")

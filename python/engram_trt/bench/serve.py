@@ -136,7 +136,8 @@ def run(opts: ServeOptions) -> int:
                 "tokens_per_s": tps,
                 "steps": steps,
                 "mean_seqs_per_step": seqs_per_step(n * opts.max_tokens, steps),
-                # decode steps queued before the step before's tokens were read (ENGRAM_TRT_OVERLAP=1)
+                # decode steps queued before the step before's tokens were read (the overlapped decode;
+                # off with ENGRAM_TRT_OVERLAP=0)
                 "chained_steps": after["chained_steps"] - before["chained_steps"],
                 "steady_decode_tokens_per_s": steady,
             }

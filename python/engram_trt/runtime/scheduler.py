@@ -256,9 +256,8 @@ class Scheduler:
         self._special_ids = special_token_ids(tokenizer)  # what skip_special_tokens leaves out of the text
         self._byte_ids = byte_fallback_ids(tokenizer)  # byte tokens whose trailing run a stream holds back
         self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
-        # Queue a greedy decode step before the last one's tokens are read (_chainable): ENGRAM_TRT_OVERLAP=1, opt-in
-        # until its GPU test (tests/gpu/test_deepseek_v4_graphs.py) has passed
-        self.overlap = os.environ.get("ENGRAM_TRT_OVERLAP", "0") == "1"
+        # Queue a greedy decode step before the last one's tokens are read (_chainable); off with ENGRAM_TRT_OVERLAP=0
+        self.overlap = os.environ.get("ENGRAM_TRT_OVERLAP", "1") != "0"
         self._pick_host: dict[tuple[int, int], torch.Tensor] = {}  # pinned buffers of the tokens' copies
         self._pick_slot = 0
         self.stats = {

@@ -83,7 +83,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return call
 
     monkeypatch.setattr(fused, "unavailable", lambda x: None)
-    monkeypatch.setenv(fused.GDN_GLUE_ENV, "1")  # the Gated DeltaNet glue is opt-in
+    monkeypatch.delenv(fused.GDN_GLUE_ENV, raising=False)  # the Gated DeltaNet glue: on by default
     monkeypatch.setattr(decode, "gemv_fits", lambda x, w: x.dim() == 2 and x.shape[1] == w.shape[1])
     monkeypatch.setattr(decode, "gemv_segments", counted("gemv_segments", _gemv_segments))
     monkeypatch.setattr(decode, "moe_route", counted("moe_route", _moe_route))
@@ -345,9 +345,9 @@ def test_gated_delta_net_decode_takes_the_steps_meta(monkeypatch) -> None:
     assert torch.equal(layer._neg_decay(), -layer.A_log.float().exp()), "a changed A_log is read again"
 
 
-def test_gdn_glue_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch, emulated) -> None:
-    """Without ENGRAM_TRT_QWEN4_GDN_GLUE=1 the Gated DeltaNet glue steps aside where it would
-    serve (its kernels await their GPU check): the decode step runs the PyTorch ops."""
+def test_gdn_glue_steps_aside_when_switched_off(monkeypatch: pytest.MonkeyPatch, emulated) -> None:
+    """ENGRAM_TRT_QWEN4_GDN_GLUE=0 (the A/B switch) makes the Gated DeltaNet glue step aside
+    where it would serve: the decode step runs the PyTorch ops; unset or any other value, it serves."""
     from engram_trt.models.qwen4_exp import fused
     from engram_trt.models.qwen4_exp.norms import GatedRMSNorm
 
@@ -355,15 +355,16 @@ def test_gdn_glue_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch, emula
     dt_bias, neg_decay = torch.randn(H), -torch.rand(H).exp()
     norm = GatedRMSNorm(dim, 1e-6, "silu")
     core, z = torch.randn(2, H, dim), torch.randn(2, H * dim)
-    for value in (None, "0", "yes"):
+    monkeypatch.setenv(fused.GDN_GLUE_ENV, "0")
+    assert not fused.gdn_glue_on()
+    assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias, neg_decay) is None
+    assert fused.gated_norm(norm, core, z, H) is None
+    assert emulated == {}, emulated
+    for n, value in enumerate((None, "1", "yes"), start=1):
         if value is None:
             monkeypatch.delenv(fused.GDN_GLUE_ENV, raising=False)
         else:
             monkeypatch.setenv(fused.GDN_GLUE_ENV, value)
-        assert not fused.gdn_glue_on()
-        assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias, neg_decay) is None, value
-        assert fused.gated_norm(norm, core, z, H) is None, value
-    assert emulated == {}, emulated
-    monkeypatch.setenv(fused.GDN_GLUE_ENV, "1")
-    assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias, neg_decay) is not None
-    assert emulated == {"gdn_gates": 1}, emulated
+        assert fused.gdn_glue_on(), value
+        assert fused.gdn_gates(torch.randn(2, H), torch.randn(2, H), dt_bias, neg_decay) is not None, value
+        assert emulated == {"gdn_gates": n}, emulated

@@ -19,8 +19,9 @@ Per layer, with the step's tokens ``x [T, D]`` (bf16 on a GPU of compute capabil
   launches' own arithmetic, so the bits are theirs; ``ENGRAM_TRT_DSV4_PROLOGUE=0`` runs
   them as launches of their own, for A/B); with stored-format (FP8) ``q_b`` / ``o_a``
   weights the stored-format segments' prologues do the same
-  (``ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1``, opt-in until tests/gpu/test_quant_decode.py's
-  prologue tests have run on a GPU; else the norm and the inverse RoPE launch first);
+  (``ENGRAM_TRT_DSV4_QUANT_PROLOGUE=1``, opt-in: its GPU tests pass, but the step with it
+  was not faster on an H100 (docs/benchmarks.md); else the norm and the inverse RoPE
+  launch first);
 * the MoE (:func:`moe`): one launch for the router's logits, one for its picks and
   weights, two for the routed experts with the shared expert (combined in the reference's
   order); a step of more tokens than the GEMV takes, up to ``BATCH_ROUTE_MAX_TOKENS`` (a
@@ -51,7 +52,7 @@ QUANT_FUSED_ENV = "ENGRAM_TRT_DSV4_QUANT_FUSED"  # 0: stored-format weights one 
 # the router's picks in one launch for steps up to this many tokens (a batch of decode streams)
 BATCH_ROUTE_MAX_TOKENS = 64
 PROLOGUE_ENV = "ENGRAM_TRT_DSV4_PROLOGUE"  # "0": q_a_norm and the inverse RoPE as their own launches (A/B)
-# "1": the stored-format segments take those prologues too (opt-in: not yet run on a GPU); PROLOGUE_ENV=0 wins
+# "1": the stored-format segments take those prologues too (opt-in: not faster where measured); PROLOGUE_ENV=0 wins
 QUANT_PROLOGUE_ENV = "ENGRAM_TRT_DSV4_QUANT_PROLOGUE"
 
 

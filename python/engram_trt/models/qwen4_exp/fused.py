@@ -27,10 +27,9 @@ weight-read floor (issue 41: the MoE 120 us a layer, a mix 43 us).
   ONE launch (``gdn_gates``) where the PyTorch ops take about seven, and the gated RMSNorm
   of the core's output (:class:`~.norms.GatedRMSNorm`) in ONE launch (``gated_norm``)
   where they take about twelve; both with the module's float32 ops and bf16 roundings
-  (decodeKernels.h; the norm's sum of squares in its own order). Off unless
-  ``ENGRAM_TRT_QWEN4_GDN_GLUE=1`` (:data:`GDN_GLUE_ENV`): their kernels have not yet run on
-  a GPU (tests/gpu/test_qwen4_fused.py holds them to the ops they replace), and the default
-  decode path takes no kernel that has not passed there.
+  (decodeKernels.h; the norm's sum of squares in its own order; tests/gpu/test_qwen4_fused.py
+  holds them to the ops they replace). ``ENGRAM_TRT_QWEN4_GDN_GLUE=0`` (:data:`GDN_GLUE_ENV`)
+  runs the PyTorch ops instead (an A/B switch).
 
 Served: bf16 activations and weights (plain ``nn.Linear`` and the stacked experts) of 1 to
 ``GEMV_EX_MAX_TOKENS`` tokens (the Gated DeltaNet gates and norm: ``GDN_GLUE_MAX_TOKENS``,
@@ -48,12 +47,12 @@ import torch
 from torch import Tensor, nn
 
 FUSED_ENV = "ENGRAM_TRT_QWEN4_FUSED"
-GDN_GLUE_ENV = "ENGRAM_TRT_QWEN4_GDN_GLUE"  # "1": the Gated DeltaNet gates / norm kernels (opt-in, module docstring)
+GDN_GLUE_ENV = "ENGRAM_TRT_QWEN4_GDN_GLUE"  # "0": the Gated DeltaNet gates / norm as PyTorch ops (A/B)
 
 
 def gdn_glue_on() -> bool:
-    """Whether :func:`gdn_gates` / :func:`gated_norm` may serve (``ENGRAM_TRT_QWEN4_GDN_GLUE=1``)."""
-    return os.environ.get(GDN_GLUE_ENV, "0") == "1"
+    """Whether :func:`gdn_gates` / :func:`gated_norm` may serve (``ENGRAM_TRT_QWEN4_GDN_GLUE`` not ``0``)."""
+    return os.environ.get(GDN_GLUE_ENV, "1") != "0"
 
 
 def unavailable(x: Tensor) -> str | None:

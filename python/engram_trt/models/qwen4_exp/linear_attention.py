@@ -405,8 +405,8 @@ class GatedDeltaNet(nn.Module):
         :meth:`forward` on such a step (its decode branch is this very code). A bf16 step on a
         GPU takes the four input projections in one GEMV launch and the output projection in
         another (:func:`.fused.project`), the gates in one (:func:`.fused.gdn_gates`) and the
-        gated output norm in one (:func:`.fused.gated_norm`; these two opt-in:
-        ``ENGRAM_TRT_QWEN4_GDN_GLUE=1``) where the kernel library serves them. ``meta``: the
+        gated output norm in one (:func:`.fused.gated_norm`; these two off with
+        ``ENGRAM_TRT_QWEN4_GDN_GLUE=0``) where the kernel library serves them. ``meta``: the
         step's int32 ``[seq_starts (B+1) = 0..B, past_lens (B), slots (B)]`` on the device when
         the caller has it (``Qwen4ExpModel.decode_views``: one for every layer of the step; the
         kernels read a past length only as > 0), else it is made here."""
