@@ -2,8 +2,8 @@
 (formerly scripts/h200_tables_check.py; no plugin library needed, it is used for one
 extra check).
 
-  1. Small FP8 and BF16 checkpoints (and, with ``ENGRAM_TRT_GPU_DEMO_TABLES=1``, the demo
-     checkpoint: 2.4 GiB of FP8 tables, three 1 GiB registration chunks) are written.
+  1. Small FP8 and BF16 checkpoints and the demo checkpoint (2.4 GiB of FP8 tables, three
+     1 GiB registration chunks) are written.
   2. Pinned store through ``open_tables(refs, 'pinned')``: every chunk is registered
      (cudaPointerGetAttributes: host memory, device pointer == host pointer), the GPU
      reads the tables through UVA (each layer's bytes wrapped as a CUDA tensor at the
@@ -311,8 +311,6 @@ def check_tables(label: str, tmp: Path) -> SimpleNamespace:
 def tables_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """One label's run of check_tables, shared by its checks' tests."""
     label = request.param
-    if label == "demo 2.4 GiB" and os.environ.get("ENGRAM_TRT_GPU_DEMO_TABLES") != "1":
-        pytest.skip("the 2.4 GiB demo tables: set ENGRAM_TRT_GPU_DEMO_TABLES=1")
     run = check_tables(label, tmp_path_factory.mktemp("tables"))
     run.label = label
     return run
