@@ -34,6 +34,8 @@ ARGS = [
     "1",
     "--profile-reps",
     "1",
+    "--kernel-reps",
+    "2",
     "--table-gib",
     str(TABLE_GIB),
 ]
@@ -134,6 +136,18 @@ def test_the_breakdown_counts_each_class_and_adds_up_to_the_step(report: dict[st
             assert sum(v["gpu_ms"] for v in b["classes"].values()) == pytest.approx(b["total_gpu_ms"], rel=1e-9)
             assert sum(v["host_ms"] for v in b["classes"].values()) == pytest.approx(b["total_host_ms"], rel=1e-9)
             assert sorted(b["order"]) == sorted(want)
+
+
+def test_the_kernel_profile_is_asked_of_decode_cases_only_and_says_why_it_skipped(report: dict[str, Any]) -> None:
+    """``--kernel-reps``: each decode case's kernel profile (GPU kernel records: none on a
+    CPU, so each says so); a prefill chunk is not profiled."""
+    for name, row in report["cases"].items():
+        for where in ("hbm", "pinned"):
+            got = row[where].get("kernel_profile")
+            if name.startswith("decode"):
+                assert got == {"skipped": "no CUDA device (the kernel profile reads the GPU's kernel records)"}, name
+            else:
+                assert got is None, name
 
 
 def test_the_clock_changes_no_logit_and_puts_every_wrapper_back() -> None:

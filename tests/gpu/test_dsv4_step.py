@@ -38,6 +38,8 @@ ARGS = [
     "3",
     "--profile-reps",
     "2",
+    "--kernel-reps",
+    "2",
     "--table-gib",
     "0.05",
 ]
@@ -126,3 +128,21 @@ def test_breakdown_by_cuda_events_adds_up(report) -> None:
             assert min(v["gpu_ms"] for v in b["classes"].values()) > -1e-3, (
                 f"{name} {where}: no class below zero: { {c: round(v['gpu_ms'], 4) for c, v in b['classes'].items()} }"
             )
+
+
+def test_the_kernel_profile_adds_up_per_decode_case(report) -> None:
+    """``--kernel-reps 2``: each decode case's kernels as the profiler records them, their
+    per-kernel times adding up to the busy time, the replayed step's mode recorded."""
+    for name, row in report["cases"].items():
+        for where in ("hbm", "pinned"):
+            p = row[where].get("kernel_profile")
+            if not name.startswith("decode"):
+                assert p is None, f"{name} {where}: a prefill chunk is not profiled"
+                continue
+            assert p is not None and "skipped" not in p, f"{name} {where}: {p}"
+            assert p["steps"] == 2 and p["mode"] == row[where]["mode"] and p["step_ms"] > 0, f"{name} {where}"
+            total = sum(k["ms"] for k in p["kernels"].values())
+            assert p["busy_ms"] > 0 and abs(total - p["busy_ms"]) <= 1e-6 * max(1.0, p["busy_ms"]), (
+                f"{name} {where}: kernels {total:.4f} ms against busy {p['busy_ms']:.4f} ms"
+            )
+            assert p["span_ms"] > 0 and p["kernels"][p["order"][0]]["calls"] >= 1, f"{name} {where}"

@@ -518,6 +518,50 @@ def summarize_kernels(records: list[tuple[str, float, float]], reps: int) -> dic
     }
 
 
+def _profile_window(step: Callable[[], float], reps: int) -> tuple[list[float], Any]:
+    """``reps`` calls of ``step`` (each returns its CUDA-event milliseconds) inside one CUDA
+    profile, 2 ms apart so that :func:`summarize_kernels` tells the steps apart: (the
+    calls' figures, the profile)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    totals = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            if i:
+                time.sleep(0.002)  # the steps apart on the GPU's timeline
+            totals.append(step())
+        torch.cuda.synchronize()
+    return totals, prof
+
+
+def step_kernel_profile(step: Callable[[], Any], reps: int, device: Any, mode: str) -> dict[str, Any]:
+    """The GPU work of ``reps`` calls of ``step`` (one decode step each, whatever it runs:
+    ``bench dsv4-step``'s replay) as :func:`decode_kernel_profile` reports a folder's, after
+    one warm-up call; ``step_ms`` the median of the calls' CUDA-event spans, ``mode`` as
+    given. A skip (``{"skipped": why}``) off CUDA or when the profile holds no GPU record."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return {"skipped": "no CUDA device (the kernel profile reads the GPU's kernel records)"}
+
+    def timed() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    timed()
+    totals, prof = _profile_window(timed, reps)
+    records, seen = device_records(prof.events())
+    if len(records) < reps:
+        why = f"{len(records)} GPU records in {reps} steps (the profile's activity types: {', '.join(seen)})"
+        return {"skipped": why}
+    return {"mode": mode, "steps": reps, "step_ms": statistics.median(totals), **summarize_kernels(records, reps)}
+
+
 def decode_kernel_profile(
     folder: Any,
     *,
@@ -543,7 +587,6 @@ def decode_kernel_profile(
 
     if torch.device(device).type != "cuda":
         return {"skipped": "no CUDA device (the kernel profile reads the GPU's kernel records)"}
-    from torch.profiler import ProfilerActivity, profile
 
     tries = 3  # a window in which a new graph was recorded (a new context bucket) is run again
     max_len = max_seq_len or prompt_tokens + 2 + tries * reps + 8
@@ -569,13 +612,7 @@ def decode_kernel_profile(
         step()
         for _ in range(tries):
             captures = getattr(state["graphs"], "captures", 0)
-            totals = []
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for i in range(reps):
-                    if i:
-                        time.sleep(0.002)  # the steps apart on the GPU's timeline
-                    totals.append(step())
-                torch.cuda.synchronize()
+            totals, prof = _profile_window(step, reps)
             if getattr(state["graphs"], "captures", 0) == captures:
                 break
         else:
@@ -631,5 +668,6 @@ __all__ = [
     "format_kernel_profile",
     "kernel_short_name",
     "qwen4_regions",
+    "step_kernel_profile",
     "summarize_kernels",
 ]

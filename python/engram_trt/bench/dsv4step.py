@@ -26,8 +26,10 @@ module-class breakdown, run eagerly (the breakdown wraps the modules' Python cal
 :func:`engram_trt.bench.dsv4model.quantize_weights`) and times the same cases; each
 step's byte floor (the bytes it reads in that format) is printed beside it, and with
 both formats the FP8 step's speed-up over the BF16 one beside the ratio of their floors.
-``--device cpu --model tiny`` runs the whole path on a CPU in seconds (tables in plain
-memory, no limits, no floors' times).
+``--kernel-reps N`` profiles N of each decode case's steps kernel by kernel
+(:func:`engram_trt.bench.breakdown.step_kernel_profile`: the step as timed, replayed graph
+included; off a GPU it says it skipped). ``--device cpu --model tiny`` runs the whole path
+on a CPU in seconds (tables in plain memory, no limits, no floors' times).
 """
 
 from __future__ import annotations
@@ -93,6 +95,13 @@ class Dsv4StepOptions:
         3,
         argtype=("int_arg", 0, 1000),
         help="steps of the per-module-class breakdown per case and placement; 0 skips it (default: %(default)s)",
+    )
+    kernel_reps: int = opt(
+        0,
+        argtype=("int_arg", 0, 1000),
+        help="steps whose GPU kernels are profiled per decode case and placement (torch.profiler: calls, ms and "
+        "share of the busy time per kernel, as bench e2e --breakdown-kernels; ENGRAM_TRT_PDL=0 for each kernel's "
+        "own time); 0 skips it (default: %(default)s)",
     )
     weights: list[str] = opt(
         ["bf16"],
@@ -385,6 +394,10 @@ def _time_case(
                 for _ in range(opts.profile_reps):
                     clock.step(lambda: one(clock.rows))
             out["breakdown"] = clock.summary()
+        if opts.kernel_reps and decode:
+            from engram_trt.bench.breakdown import step_kernel_profile
+
+            out["kernel_profile"] = step_kernel_profile(one, opts.kernel_reps, dev, out["mode"])
     finally:
         pf.close()
     out["moe_forms"] = sorted({f for f in (getattr(layer.mlp, "last_form", None) for layer in model.model.layers) if f})
@@ -466,6 +479,18 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions, lim: dict[str, float]
                         + " ".join(f"{b['classes'][c]['gpu_ms']:>8.3f}" for c in shown)
                     )
         print("(" + ", ".join(f"{_SHORT[c]}: {c}" for c in shown) + "; host-side times and call counts in the JSON)")
+    _print_kernels(results, opts)
+
+
+def _print_kernels(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
+    """Each decode case's kernel profile (``--kernel-reps``), as bench e2e prints one."""
+    from engram_trt.bench.breakdown import format_kernel_profile
+
+    for name, row in results["cases"].items():
+        for where in opts.placements:
+            p = row[where].get("kernel_profile")
+            if p:
+                print(f"\n{name}, {where} tables: " + "\n  ".join(format_kernel_profile(p)))
 
 
 def _print_weights(results: dict[str, Any]) -> None:
