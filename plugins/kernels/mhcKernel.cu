@@ -35,9 +35,9 @@
  *                collapse, rounded once to the io type; engram_mhc_pre_norm /
  *                engram_mhc_head_norm then RMS-normalize it in place (the layer's norm).
  *                ENGRAM_TRT_MHC_SPLIT_FINALIZE=1 (opt-in: tests/gpu/test_mhc.py passes
- *                with it, but its A/B on an H100 was not clearly faster): a layer's finalize in two blocks a token, post / comb (the
- *                ~40 dependent Sinkhorn rounds) beside the collapse instead of before it;
- *                the same bits.
+ *                with it, but its A/B on an H100 was not clearly faster): a layer's
+ *                finalize in two blocks a token, post / comb (the ~40 dependent Sinkhorn
+ *                rounds) beside the collapse instead of before it; the same bits.
  *   3. post:     a thread per (token, 8 channels): all hc streams of its channels read
  *                before any is written, so new_streams may be streams (in place). post
  *                and comb are rounded to the io type first, as the reference's
