@@ -10,6 +10,10 @@ plugins/kernels/decodeMoeGroupedKernel.cu) on a GPU:
    one expert (the largest group: the chunked re-reads), a token picking one expert twice,
    picks outside ``[0, E)`` (-1 and E: they add nothing); the SwiGLU clamp on and off.
    Recorded in a CUDA graph and replayed: the eager outputs.
+2. The fused DeepSeek-V4 decode step of a tiny bf16 model with 12, 40 and 64 streams
+   (``_moe_batch``'s 9..64-token steps) with ``ENGRAM_TRT_DSV4_MOE_GROUPED=1``: every MoE
+   layer through ONE moe_experts_grouped call, the logits against a float32 model within
+   test_dsv4_fused.py's bound (2x the unfused bf16 step's distance + 1e-3, median of the steps).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .helpers import cuda_normal
+from .helpers import cuda_normal, env, note
 
 # name: (D, I, I_s (0: no shared expert), E, top_k, down side by side, shared_scale)
 LAYOUTS: dict[str, tuple[int, int, int, int, int, bool, bool]] = {
@@ -170,3 +174,69 @@ def test_grouped_experts_in_a_cuda_graph_equal_eager(rng) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager), "replayed on the first inputs: the first eager outputs"
+
+
+# --- 2. the fused decode step ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("streams", [12, 40, 64])
+def test_fused_batch_decode_with_grouped_experts_within_round_off(monkeypatch, streams: int) -> None:
+    import torch
+
+    from engram_trt.models.deepseek_v4 import fused
+    from engram_trt.models.step import PackedStep
+    from engram_trt.native import decode
+
+    from .cases import rel_err
+    from .test_deepseek_v4_graphs import _config, _model, _weights
+
+    mix = "SCHS-hash1-e8k2"
+    cfg = _config(mix)
+    weights = _weights(cfg, 13)
+    ref = _model(cfg, weights, torch.float32)
+    model = _model(cfg, weights, torch.bfloat16)
+    calls = {"grouped": 0}
+    real = decode.moe_experts_grouped
+
+    def counted(*a, **kw):
+        calls["grouped"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(decode, "moe_experts_grouped", counted)
+    gen = torch.Generator().manual_seed(streams)
+    lens = [int(n) for n in torch.randint(2, 9, (streams,), generator=gen)]
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    slots = list(range(streams))
+    states = {name: (ref if name == "fp32" else model).new_cache(streams, 64) for name in ("fp32", "grouped", "plain")}
+    step = PackedStep(torch.tensor(sum(prompts, [])), lens, [0] * streams, slots)
+    for name, st in states.items():
+        with env(fused.FUSED_ENV, "0" if name == "plain" else "1"):
+            (ref if name == "fp32" else model).forward_step(step, st)
+    toks = [p[-1] for p in prompts]
+    n_moe = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "last_form"))
+    ges, pes, bad, forms = [], [], [], set()
+    for k in range(4):
+        mk = lambda: PackedStep(torch.tensor(toks), [1] * streams, list(lens), slots)  # noqa: E731
+        want = ref.forward_step(mk(), states["fp32"]).cpu()
+        before = calls["grouped"]
+        with env(fused.FUSED_ENV, "1"), env(fused.MOE_GROUPED_ENV, "1"):
+            g = model.forward_step(mk(), states["grouped"]).float().cpu()
+        forms |= {layer.mlp.last_form for layer in model.model.layers}
+        if calls["grouped"] - before != n_moe:
+            bad.append(f"step {k}: {calls['grouped'] - before} grouped calls for {n_moe} MoE layers")
+        with env(fused.FUSED_ENV, "0"):
+            p = model.forward_step(mk(), states["plain"]).float().cpu()
+        ges.append(rel_err(g, want))
+        pes.append(rel_err(p, want))
+        if not torch.isfinite(g).all():
+            bad.append(f"step {k}: logits not finite")
+        toks = want.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    gm, pm = float(np.median(ges)), float(np.median(pes))
+    note(f"grouped_decode_{streams}_median_rel_err", {"grouped": gm, "unfused": pm})
+    assert not bad and gm <= 2 * pm + 1e-3, (
+        f"{mix}, {streams} streams: bf16 decode with the grouped experts within 2x the unfused bf16 distance from "
+        f"fp32 + 1e-3 (median of 4 steps): grouped {gm:.2e} vs unfused {pm:.2e}; per step grouped "
+        f"{[f'{e:.1e}' for e in ges]} unfused {[f'{e:.1e}' for e in pes]}; {'; '.join(bad[:4])}"
+    )
+    assert forms == {"fused"}, f"the batch step's MoE took the fused form: forms {sorted(forms)}"
