@@ -436,7 +436,7 @@ def test_batch_steps_take_the_grouped_experts_when_asked(monkeypatch: pytest.Mon
         mp.setattr(decode, "moe_experts_grouped", _counted(calls, "grouped", _moe_experts))
         mp.setattr(native_quant, "experts", _counted(calls, "quant", _routed_experts))
         fresh = {k: model.new_cache(S + 1, 128) for k in ("plain", "fused")}
-        model.forward_step(steps[1][2], fresh["fused"])
+        model.forward_step(steps[1][1], fresh["fused"])
         assert calls.get("quant", 0) == n and "grouped" not in calls, calls
 
     # the comparison can fail: a grouped call without the shared expert moves the logits
@@ -444,12 +444,12 @@ def test_batch_steps_take_the_grouped_experts_when_asked(monkeypatch: pytest.Mon
         return _routed_sum(x, ids, weights, gate, up, down, limit, by_expert=True)
 
     fresh = {k: model.new_cache(S + 1, 128) for k in ("plain", "fused")}
-    want = model.forward_step(steps[1][2], fresh["plain"])
+    want = model.forward_step(steps[1][1], fresh["plain"])
     with monkeypatch.context() as mp:
         _emulate(mp, {})
         mp.setenv(fused.MOE_GROUPED_ENV, "1")
         mp.setattr(decode, "moe_experts_grouped", no_shared)
-        got = model.forward_step(steps[1][2], fresh["fused"])
+        got = model.forward_step(steps[1][1], fresh["fused"])
     assert float((got - want).abs().max() / want.abs().max()) > 1e-3, "dropping the shared expert went unseen"
 
 
