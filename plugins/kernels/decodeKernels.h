@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * engram-trt kernel library, the DeepSeek-V4 decode step's glue: norms + RoPE, grouped GEMVs, MoE routing and
- * experts (decodeNormKernel.cu, decodeGemvKernel.cu, decodeMoeKernel.cu).
+ * experts (decodeNormKernel.cu, decodeGemvKernel.cu, decodeMoeKernel.cu, decodeMoeGroupedKernel.cu).
  * Part of the C ABI of engramKernels.h (the umbrella header), whose conventions hold here.
  */
 #ifndef ENGRAM_TRT_DECODE_KERNELS_H
@@ -20,7 +20,7 @@ extern "C" {
 
 /* ======================================================================================
  * The decode step's glue around DeepSeek-V4's attention kernel and MoE (decodeNormKernel.cu,
- * decodeGemvKernel.cu, decodeMoeKernel.cu; python/engram_trt/native/decode.py): the
+ * decodeGemvKernel.cu, decodeMoeKernel.cu, decodeMoeGroupedKernel.cu; python/engram_trt/native/decode.py): the
  * element-wise chains and the small products the PyTorch reference spends dozens of
  * launches on, a few launches a layer, each rounding where the reference rounds. Each is
  * enqueued as a programmatic dependent launch on sm_90+ (dependentLaunch.cuh): it reads
@@ -204,6 +204,21 @@ typedef struct EngramMoeExperts
 ENGRAM_API int engram_moe_experts_workspace_size(
     int64_t num_tokens, int32_t top_k, int32_t intermediate, int32_t shared_intermediate, size_t* bytes);
 ENGRAM_API int engram_moe_experts_bf16(const EngramMoeExperts* args, cudaStream_t stream);
+
+/* engram_moe_experts_grouped_bf16: engram_moe_experts_bf16's contract (the same struct, the
+ * same roundings and the same sums' order per token, pick and row: each output equals
+ * engram_moe_experts_bf16's bit for bit on the same tokens) for a batch of decode streams,
+ * 0 <= T <= ENGRAM_MOE_GROUPED_MAX_TOKENS, in three launches (decodeMoeGroupedKernel.cu):
+ * the (token, pick) pairs grouped by expert on the device, so that each picked expert's
+ * gate / up / down rows are read from HBM once a step and the shared expert's once for all
+ * tokens (engram_moe_experts_bf16 reads them once per pair); then the picks combined per
+ * token in the contract's order. No host synchronization (a CUDA graph records it).
+ * workspace: engram_moe_experts_grouped_workspace_size bytes (h [T, top_k + 1, max(I, I_s)]
+ * and y [T, top_k + 1, D], bf16). Limits otherwise engram_moe_experts_bf16's. */
+#define ENGRAM_MOE_GROUPED_MAX_TOKENS 64
+ENGRAM_API int engram_moe_experts_grouped_workspace_size(int64_t num_tokens, int32_t top_k, int32_t hidden,
+    int32_t intermediate, int32_t shared_intermediate, size_t* bytes);
+ENGRAM_API int engram_moe_experts_grouped_bf16(const EngramMoeExperts* args, cudaStream_t stream);
 
 /* engram_hc_mix_bf16: the end of a Qwen4Exp hyper-connection's mix in one launch (the
  * reference: models/qwen4_exp/modules.py GatedResidual.mix after its norm and its two

@@ -27,6 +27,7 @@
  * different experts, and a repeat is served from L2.
  */
 #include "decodeKernels.h"
+#include "decodeMoeCommon.cuh"
 #include "dependentLaunch.cuh"
 #include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
@@ -245,12 +246,6 @@ __device__ __forceinline__ float rowDot(uint4 const* w, uint4 const* x, int32_t 
 #endif
 }
 
-//! torch's clamp of a bf16 value to [lo, hi] (NaN kept), the result rounded to bf16.
-__device__ __forceinline__ float clampBf16(float v, float lo, float hi)
-{
-    return isnan(v) ? v : roundBf16(fminf(fmaxf(v, lo), hi));
-}
-
 /*
  * Launch 1: a warp per (token, pick or shared, intermediate row). h[t, j, i] (bf16 in the
  * workspace, row stride hStride) = bf16(bf16(silu(g)) * u), g / u the clamped bf16 gate
@@ -296,17 +291,11 @@ __global__ void __launch_bounds__(kExpertThreads) moeGateUpKernel(EngramMoeExper
     }
     auto const* const x = reinterpret_cast<uint4 const*>(static_cast<__nv_bfloat16 const*>(a.x) + t * a.hidden);
     int32_t const vectors = a.hidden / 8;
-    float g = roundBf16(rowDot(reinterpret_cast<uint4 const*>(gateRow), x, vectors));
-    float u = roundBf16(rowDot(reinterpret_cast<uint4 const*>(upRow), x, vectors));
-    if (a.clamp != 0)
-    {
-        g = clampBf16(g, -INFINITY, a.limit);
-        u = clampBf16(u, -a.limit, a.limit);
-    }
+    float const g = rowDot(reinterpret_cast<uint4 const*>(gateRow), x, vectors);
+    float const u = rowDot(reinterpret_cast<uint4 const*>(upRow), x, vectors);
     if ((threadIdx.x & 31) == 0)
     {
-        float const silu = roundBf16(g / (1.0F + expf(-g)));
-        h[i] = __float2bfloat16_rn(__fmul_rn(silu, u));
+        h[i] = swigluBf16(g, u, a.clamp, a.limit);
     }
 }
 
@@ -334,18 +323,8 @@ __global__ void __launch_bounds__(kExpertThreads)
     int32_t lastPick = -1;
     for (int32_t n = 0; n < a.top_k; ++n)
     {
-        int32_t pick = -1;
         int32_t id = 0;
-        for (int32_t j = 0; j < a.top_k; ++j)
-        {
-            int32_t const e = tokenIds[j];
-            bool const after = e > lastId || (e == lastId && j > lastPick);
-            if (e >= 0 && e < a.num_experts && after && (pick < 0 || e < id))
-            {
-                pick = j;
-                id = e;
-            }
-        }
+        int32_t const pick = nextPick(tokenIds, a.top_k, a.num_experts, lastId, lastPick, id);
         if (pick < 0)
         {
             break;
@@ -354,37 +333,28 @@ __global__ void __launch_bounds__(kExpertThreads)
         lastPick = pick;
         auto const* const w = static_cast<__nv_bfloat16 const*>(a.down) + static_cast<int64_t>(id) * downExpertStride
             + d * downRowStride;
-        float const y = roundBf16(rowDot(reinterpret_cast<uint4 const*>(w),
-            reinterpret_cast<uint4 const*>(hToken + static_cast<int64_t>(pick) * hStride), vectors));
-        float const weighted = roundBf16(__fmul_rn(y, a.weights[t * a.top_k + pick]));
-        routed = roundBf16(__fadd_rn(routed, weighted));
+        float const y = rowDot(reinterpret_cast<uint4 const*>(w),
+            reinterpret_cast<uint4 const*>(hToken + static_cast<int64_t>(pick) * hStride), vectors);
+        routed = roundBf16(__fadd_rn(routed, routedOutput(y, a.weights[t * a.top_k + pick])));
     }
     float out = routed;
     if (a.shared_intermediate > 0)
     {
         auto const* const w = static_cast<__nv_bfloat16 const*>(a.shared_down) + d * a.shared_intermediate;
-        float shared = roundBf16(rowDot(reinterpret_cast<uint4 const*>(w),
+        float const sum = rowDot(reinterpret_cast<uint4 const*>(w),
             reinterpret_cast<uint4 const*>(hToken + static_cast<int64_t>(a.top_k) * hStride),
-            a.shared_intermediate / 8));
-        if (a.shared_scale != nullptr)
-        {
-            // shared_expert(x) * sigmoid(shared_expert_gate(x)), each op rounded to bf16
-            float const z
-                = __bfloat162float(static_cast<__nv_bfloat16 const*>(a.shared_scale)[t * a.shared_scale_stride]);
-            shared = roundBf16(__fmul_rn(shared, roundBf16(sigmoidOf(z))));
-        }
-        out = __fadd_rn(routed, shared);
+            a.shared_intermediate / 8);
+        // shared_expert(x) * sigmoid(shared_expert_gate(x)), each op rounded to bf16
+        bool const scaled = a.shared_scale != nullptr;
+        float const z = scaled
+            ? __bfloat162float(static_cast<__nv_bfloat16 const*>(a.shared_scale)[t * a.shared_scale_stride])
+            : 0.0F;
+        out = __fadd_rn(routed, sharedOutput(sum, scaled, z));
     }
     if ((threadIdx.x & 31) == 0)
     {
         static_cast<__nv_bfloat16*>(a.out)[t * a.hidden + d] = __float2bfloat16_rn(out);
     }
-}
-
-//! Elements of one h row in the workspace: the wider intermediate size.
-int64_t hStrideOf(int32_t intermediate, int32_t sharedIntermediate)
-{
-    return intermediate > sharedIntermediate ? intermediate : sharedIntermediate;
 }
 
 } // namespace
@@ -480,23 +450,17 @@ extern "C" ENGRAM_API int engram_moe_experts_workspace_size(
             ENGRAM_MOE_DECODE_MAX_TOKENS, ENGRAM_MOE_MAX_TOP_K, ll(numTokens), topK, intermediate, sharedIntermediate);
     }
     *bytes = static_cast<size_t>(numTokens) * static_cast<size_t>(topK + 1)
-        * static_cast<size_t>(hStrideOf(intermediate, sharedIntermediate)) * 2;
+        * static_cast<size_t>(moeHStride(intermediate, sharedIntermediate)) * 2;
     return 0;
 }
 
-extern "C" ENGRAM_API int engram_moe_experts_bf16(EngramMoeExperts const* args, cudaStream_t stream)
+int engram_trt::kernels::checkMoeExperts(char const* fn, EngramMoeExperts const& a, int64_t maxTokens,
+    int (*sizeOf)(EngramMoeExperts const& a, size_t* bytes))
 {
-    clearError();
-    char const* const fn = "engram_moe_experts_bf16";
-    if (args == nullptr)
+    if (a.num_tokens < 0 || a.num_tokens > maxTokens)
     {
-        return fail(cudaErrorInvalidValue, "%s: args must not be NULL", fn);
-    }
-    EngramMoeExperts const a = *args;
-    if (a.num_tokens < 0 || a.num_tokens > ENGRAM_MOE_DECODE_MAX_TOKENS)
-    {
-        return fail(cudaErrorInvalidValue, "%s: num_tokens must be in [0, %d] (a decode step; got %lld)", fn,
-            ENGRAM_MOE_DECODE_MAX_TOKENS, ll(a.num_tokens));
+        return fail(cudaErrorInvalidValue, "%s: num_tokens must be in [0, %lld] (a decode step; got %lld)", fn,
+            ll(maxTokens), ll(a.num_tokens));
     }
     if (a.hidden < 8 || a.hidden % 8 != 0 || a.intermediate < 8 || a.intermediate % 8 != 0 || a.shared_intermediate < 0
         || a.shared_intermediate % 8 != 0)
@@ -517,7 +481,7 @@ extern "C" ENGRAM_API int engram_moe_experts_bf16(EngramMoeExperts const* args, 
             static_cast<double>(a.limit));
     }
     size_t need = 0;
-    int status = engram_moe_experts_workspace_size(a.num_tokens, a.top_k, a.intermediate, a.shared_intermediate, &need);
+    int const status = sizeOf(a, &need);
     if (status != 0)
     {
         return status;
@@ -584,7 +548,26 @@ extern "C" ENGRAM_API int engram_moe_experts_bf16(EngramMoeExperts const* args, 
         return fail(
             cudaErrorNotSupported, "%s: needs a GPU of compute capability 9.0 or later (this one is %d.x)", fn, major);
     }
-    int64_t const hStride = hStrideOf(a.intermediate, a.shared_intermediate);
+    return 0;
+}
+
+extern "C" ENGRAM_API int engram_moe_experts_bf16(EngramMoeExperts const* args, cudaStream_t stream)
+{
+    clearError();
+    char const* const fn = "engram_moe_experts_bf16";
+    if (args == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "%s: args must not be NULL", fn);
+    }
+    EngramMoeExperts const a = *args;
+    int status = checkMoeExperts(fn, a, ENGRAM_MOE_DECODE_MAX_TOKENS, [](EngramMoeExperts const& e, size_t* bytes) {
+        return engram_moe_experts_workspace_size(e.num_tokens, e.top_k, e.intermediate, e.shared_intermediate, bytes);
+    });
+    if (status != 0 || a.num_tokens == 0)
+    {
+        return status;
+    }
+    int64_t const hStride = moeHStride(a.intermediate, a.shared_intermediate);
     int64_t const gateUpWarps = a.num_tokens * (static_cast<int64_t>(a.top_k) * a.intermediate + a.shared_intermediate);
     int64_t const downWarps = a.num_tokens * a.hidden;
     int64_t const warpsPerBlock = kExpertThreads / 32;

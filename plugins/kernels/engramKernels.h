@@ -30,7 +30,7 @@
 #define ENGRAM_TRT_KERNELS_H
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.18.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.19.0"
 
 /* The families, one header each (plugins/kernels/README.md). */
 #include "attentionKernels.h"

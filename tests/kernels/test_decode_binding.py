@@ -397,6 +397,142 @@ def test_moe_experts_checks_name_the_field(plugin_lib: Path, change, needle) -> 
     decode._call("engram_moe_experts_bf16", ctypes.byref(_experts(num_tokens=0)), None)
 
 
+# the grouped experts share engram_moe_experts_bf16's checks (decodeMoeCommon.cuh): each field's
+# refusal, with the grouped entry point's name, token limit and workspace size
+_GROUPED_WORKSPACE = 2 * 3 * (64 + 32) * 2  # h [T, k + 1, max(I, I_s)] and y [T, k + 1, D] bf16
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"num_tokens": 65}, "engram_moe_experts_grouped_bf16: num_tokens must be in [0, 64] (a decode step; got 65)"),
+        ({"num_tokens": -1}, "num_tokens must be in [0, 64] (a decode step; got -1)"),
+        ({"hidden": 30}, "hidden and intermediate must be positive multiples of 8"),
+        ({"shared_intermediate": 12}, "(got 32, 64, 12)"),
+        ({"num_experts": 1025}, "need 1 <= num_experts <= 1024 and 1 <= top_k <= 16 (got 1025, 2)"),
+        ({"top_k": 17}, "(got 4, 17)"),
+        ({"limit": float("nan")}, "limit must be >= 0 when clamp is set (got nan)"),
+        ({"workspace_bytes": _GROUPED_WORKSPACE - 1}, f"workspace holds {_GROUPED_WORKSPACE - 1} bytes, "),
+        ({"workspace_bytes": 768}, f"workspace holds 768 bytes, {_GROUPED_WORKSPACE} needed"),
+        ({"x": _FAKE + 8}, "x, gate, up, down and workspace must be 16-byte aligned device pointers"),
+        ({"shared_down": None}, "shared_gate, shared_up and shared_down must be 16-byte aligned"),
+        ({"ids": None}, "ids, weights and out must be device pointers"),
+        ({"down_expert_stride": 64}, "down_expert_stride and down_row_stride must both be 0"),
+        ({"shared_scale": _FAKE * 12, "shared_scale_stride": 0}, "shared_scale needs a shared expert"),
+        ({"workspace": _FAKE * 11 - 64}, "out, x and workspace must not overlap"),
+    ],
+)
+def test_moe_experts_grouped_checks_name_the_field(plugin_lib: Path, change, needle) -> None:
+    base = {"workspace_bytes": _GROUPED_WORKSPACE, **change}
+    with pytest.raises(EngramError) as exc:
+        decode._call("engram_moe_experts_grouped_bf16", ctypes.byref(_experts(**base)), None)
+    _one_line(exc, needle)
+    assert str(exc.value).count("engram_moe_experts_grouped_bf16: ") == 1
+    decode._call("engram_moe_experts_grouped_bf16", ctypes.byref(_experts(num_tokens=0)), None)
+    with pytest.raises(EngramError) as exc:
+        decode._call("engram_moe_experts_grouped_bf16", None, None)
+    _one_line(exc, "engram_moe_experts_grouped_bf16: args must not be NULL")
+
+
+def test_experts_grouped_workspace_size(plugin_lib: Path) -> None:
+    # h [T, k + 1, max(I, I_s)] then y [T, k + 1, D], bf16
+    assert decode.experts_grouped_workspace_size(1, 2, 2048, 1024, 1024) == 1 * 3 * (1024 + 2048) * 2
+    assert decode.experts_grouped_workspace_size(64, 2, 2048, 1024, 1024) == 64 * 3 * (1024 + 2048) * 2
+    assert decode.experts_grouped_workspace_size(5, 3, 200, 40, 0) == 5 * 4 * (40 + 200) * 2
+    assert decode.experts_grouped_workspace_size(4, 6, 64, 256, 512) == 4 * 7 * (512 + 64) * 2
+    assert decode.experts_grouped_workspace_size(0, 2, 64, 64, 0) == 0
+    for args, needle in (
+        ((65, 2, 64, 64, 64), "0 <= num_tokens <= 64"),
+        ((1, 17, 64, 64, 64), "1 <= top_k <= 16"),
+        ((1, 2, 4, 64, 64), "hidden >= 8"),
+        ((1, 2, 64, 0, 64), "(got 1, 2, 64, 0, 64)"),
+        ((1, 2, 64, 64, -8), "(got 1, 2, 64, 64, -8)"),
+    ):
+        with pytest.raises(EngramError) as exc:
+            decode.experts_grouped_workspace_size(*args)
+        _one_line(exc, "engram_moe_experts_grouped_workspace_size: need bytes != NULL")
+        _one_line(exc, needle)
+
+
+def test_moe_experts_bindings_refuse_in_one_line() -> None:
+    """moe_experts / moe_experts_grouped share their checks (native/decode.py _moe_args): too
+    many tokens for the entry point, a bad stack shape, a wrong dtype, a host tensor; each
+    refused before the library is asked (tensors that report CUDA reach the shape checks)."""
+    bf = torch.bfloat16
+    D, I, E, k = 32, 16, 4, 2
+
+    def args(T: int, **change):
+        a = dict(
+            x=torch.zeros(T, D, dtype=bf),
+            ids=torch.zeros(T, k, dtype=torch.int32),
+            weights=torch.zeros(T, k),
+            gate=torch.zeros(E, I, D, dtype=bf),
+            up=torch.zeros(E, I, D, dtype=bf),
+            down=torch.zeros(E, D, I, dtype=bf),
+        )
+        a.update(change)
+        return {name: _cudaish(t) for name, t in a.items()}
+
+    for fn, T, limit in ((decode.moe_experts, 17, 16), (decode.moe_experts_grouped, 65, 64)):
+        name = fn.__name__
+        with pytest.raises(EngramError) as exc:
+            fn(**args(T), shared=None, limit=None)
+        _one_line(exc, f"{name} takes at most {limit} tokens (x has {T} rows)")
+        with pytest.raises(EngramError) as exc:
+            fn(**args(3, down=torch.zeros(E, I, D, dtype=bf)), shared=None, limit=None)
+        _one_line(exc, "gate / up must be [E, I, D] and down [E, D, I] or [D, E * I]")
+        with pytest.raises(EngramError) as exc:
+            fn(**args(3, ids=torch.zeros(2, k, dtype=torch.int32)), shared=None, limit=None)
+        _one_line(exc, "ids and weights must be [T, k] = [3, 2] (got (2, 2), (3, 2))")
+        with pytest.raises(EngramError) as exc:
+            fn(**args(3, weights=torch.zeros(3, k, dtype=bf)), shared=None, limit=None)
+        _one_line(exc, "weights must have dtype torch.float32 (got torch.bfloat16)")
+        shared = tuple(_cudaish(t) for t in (torch.zeros(8, D, dtype=bf), torch.zeros(8, D, dtype=bf)))
+        with pytest.raises(EngramError) as exc:
+            fn(**args(3), shared=(*shared, _cudaish(torch.zeros(8, D, dtype=bf))), limit=None)
+        _one_line(exc, f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s]")
+        with pytest.raises(EngramError) as exc:
+            fn(**args(3), shared=None, limit=None, shared_scale=_cudaish(torch.zeros(3, 1, dtype=bf)))
+        _one_line(exc, "shared_scale scales the shared expert: give shared as well")
+        with pytest.raises(EngramError) as exc:
+            fn(torch.zeros(3, D, dtype=bf), *list(args(3).values())[1:], shared=None, limit=None)
+        _one_line(exc, "x must be a CUDA tensor (got device cpu)")
+
+
+def test_decode_constants_and_prototypes_are_the_header() -> None:
+    """native/decode.py mirrors decodeKernels.h: each limit's value, and each entry point's
+    ctypes argument count its prototype's (a new field or argument on one side only fails)."""
+    import re
+
+    header = Path(__file__).resolve().parents[2] / "plugins" / "kernels" / "decodeKernels.h"
+    text = header.read_text()
+    for macro, value in (
+        ("ENGRAM_NORM_ROPE_MAX_JOBS", decode.MAX_JOBS),
+        ("ENGRAM_GEMV_MAX_SEGMENTS", decode.MAX_SEGMENTS),
+        ("ENGRAM_GEMV_EX_MAX_TOKENS", decode.GEMV_EX_MAX_TOKENS),
+        ("ENGRAM_MOE_MAX_EXPERTS", decode.MOE_MAX_EXPERTS),
+        ("ENGRAM_MOE_MAX_TOP_K", decode.MOE_MAX_TOP_K),
+        ("ENGRAM_MOE_DECODE_MAX_TOKENS", decode.MOE_MAX_TOKENS),
+        ("ENGRAM_MOE_GROUPED_MAX_TOKENS", decode.MOE_GROUPED_MAX_TOKENS),
+        ("ENGRAM_HC_MIX_MAX_TOKENS", decode.HC_MIX_MAX_TOKENS),
+        ("ENGRAM_HC_MIX_MAX_ELEMENTS", decode.HC_MIX_MAX_ELEMENTS),
+        ("ENGRAM_GDN_GLUE_MAX_TOKENS", decode.GDN_GLUE_MAX_TOKENS),
+        ("ENGRAM_GDN_GLUE_MAX_HEADS", decode.GDN_GLUE_MAX_HEADS),
+    ):
+        found = re.search(rf"#define {macro} (\d+)", text)
+        assert found is not None and int(found.group(1)) == value, macro
+    protos = {
+        name: [a for a in args.split(",") if a.strip()]
+        for name, args in re.findall(r"ENGRAM_API\s+int\s+(engram_\w+)\s*\(([^)]*)\)\s*;", text)
+    }
+    assert protos.keys() == decode._ENTRY.signatures.keys()
+    for name, argtypes in decode._ENTRY.signatures.items():
+        assert len(argtypes) == len(protos[name]), name
+    fields = re.search(r"typedef struct EngramMoeExperts\s*\{(.*?)\}", text, re.S).group(1)
+    names = re.findall(r"(\w+)\s*;", re.sub(r"/\*.*?\*/", "", fields, flags=re.S))
+    assert names == [f for f, _t in decode._MoeExperts._fields_]
+
+
 class _ReportsCuda(torch.Tensor):
     """A host tensor that says it is on a CUDA device: the predicates' CUDA branches run on
     a CPU (the GPU tests alone reached them before, and a typo there raised on every GPU)."""

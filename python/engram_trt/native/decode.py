@@ -1,5 +1,6 @@
 """ctypes bindings of the decode step's glue kernels (``plugins/kernels/decodeNormKernel.cu``,
-``decodeGemvKernel.cu``, ``decodeMoeKernel.cu``; ``engramKernels.h`` states each contract):
+``decodeGemvKernel.cu``, ``decodeMoeKernel.cu``, ``decodeMoeGroupedKernel.cu``; ``engramKernels.h``
+states each contract):
 what a DeepSeek-V4 layer does around its attention kernel and its MoE, in a few launches
 instead of the dozens of small PyTorch kernels of its reference.
 
@@ -14,7 +15,10 @@ instead of the dozens of small PyTorch kernels of its reference.
   rounded as :func:`norm_rope` rounds (``engram_gemv_segments_bf16_ex``).
 * :func:`moe_route`: a router's top-k / hash picks and weights from its logits.
 * :func:`moe_experts`: the routed experts of a decode step plus the shared expert, bf16,
-  in two launches, combined in the reference's order.
+  in two launches, combined in the reference's order; :func:`moe_experts_grouped` the same
+  outputs bit for bit for up to :data:`MOE_GROUPED_MAX_TOKENS` tokens (a batch of decode
+  streams), the pairs grouped by expert so that each picked expert's weights are read once
+  a step (``decodeMoeGroupedKernel.cu``, three launches).
 * :func:`hc_mix`, :func:`gdn_gates`, :func:`gated_norm`: Qwen4Exp's hyper-connection mix
   and a Gated DeltaNet layer's gates and gated output norm, one launch each
   (``hcMixKernel.cu``, ``gdnGlueKernel.cu``).
@@ -52,6 +56,7 @@ PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_ROPE = 0, 1, 2  # ENGRAM_GEMV_PROLOGUE
 MOE_MAX_EXPERTS = 1024  # ENGRAM_MOE_MAX_EXPERTS
 MOE_MAX_TOP_K = 16  # ENGRAM_MOE_MAX_TOP_K
 MOE_MAX_TOKENS = 16  # ENGRAM_MOE_DECODE_MAX_TOKENS
+MOE_GROUPED_MAX_TOKENS = 64  # ENGRAM_MOE_GROUPED_MAX_TOKENS: moe_experts_grouped
 HC_MIX_MAX_TOKENS = 16  # ENGRAM_HC_MIX_MAX_TOKENS
 HC_MIX_MAX_ELEMENTS = 12288  # ENGRAM_HC_MIX_MAX_ELEMENTS: tokens x rank
 GDN_GLUE_MAX_TOKENS = 16  # ENGRAM_GDN_GLUE_MAX_TOKENS: gdn_gates / gated_norm
@@ -210,6 +215,8 @@ _ENTRY = EntryPoints(
         "engram_moe_route": [_vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _vp],
         "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
         "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
+        "engram_moe_experts_grouped_workspace_size": [_i64, _i32, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+        "engram_moe_experts_grouped_bf16": [ctypes.POINTER(_MoeExperts), _vp],
         "engram_hc_mix_bf16": [ctypes.POINTER(_HcMix), _vp],
         "engram_gdn_gates_bf16": [ctypes.POINTER(_GdnGates), _vp],
         "engram_gated_rms_norm_bf16": [ctypes.POINTER(_GatedNorm), _vp],
@@ -549,32 +556,48 @@ def experts_workspace_size(tokens: int, top_k: int, intermediate: int, shared_in
     return int(out.value)
 
 
-def moe_experts(
+def experts_grouped_workspace_size(
+    tokens: int, top_k: int, hidden: int, intermediate: int, shared_intermediate: int
+) -> int:
+    out = ctypes.c_size_t(0)
+    _call(
+        "engram_moe_experts_grouped_workspace_size",
+        int(tokens),
+        int(top_k),
+        int(hidden),
+        int(intermediate),
+        int(shared_intermediate),
+        ctypes.byref(out),
+    )
+    return int(out.value)
+
+
+def _moe_args(
+    name: str,
+    max_tokens: int,
     x: Any,
     ids: Any,
     weights: Any,
     gate: Any,
     up: Any,
     down: Any,
-    *,
     shared: tuple[Any, Any, Any] | None,
     limit: float | None,
-    shared_scale: Any = None,
-) -> Any:
-    """A decode step's MoE output ``[T, D]`` bf16 (engram_moe_experts_bf16): ``x [T, D]``,
-    ``ids`` int32 / ``weights`` float32 ``[T, k]`` (:func:`moe_route`), the routed stacks
-    ``gate`` / ``up [E, I, D]``, ``down [E, D, I]`` (or ``[D, E * I]``: the experts side by
-    side, Qwen4Exp's stack) and ``shared = (gate [I_s, D], up, down [D, I_s])`` (or None), all
-    bf16 and contiguous; ``limit`` the SwiGLU clamp (None: none); ``shared_scale [T, 1]``
-    bf16: the shared expert's gate logits (its output times their sigmoid; None: unscaled)."""
+    shared_scale: Any,
+) -> tuple[_MoeExperts, Any]:
+    """The checked ``EngramMoeExperts`` of a :func:`moe_experts` / :func:`moe_experts_grouped`
+    call (``name``, up to ``max_tokens`` tokens) with its workspace and ``out`` allocated:
+    ``(args, out)``; the workspace stays alive in ``args``."""
     torch = torch_module()
-    for name, t in (("x", x), ("gate", gate), ("up", up), ("down", down)):
-        check(name, t, (torch.bfloat16,))
+    for arg, t in (("x", x), ("gate", gate), ("up", up), ("down", down)):
+        check(arg, t, (torch.bfloat16,))
     check("ids", ids, (torch.int32,), 2)
     check("weights", weights, (torch.float32,), 2)
     if x.dim() != 2 or gate.dim() != 3:
         raise EngramError(f"x must be [T, D] and gate [E, I, D] (got {tuple(x.shape)}, {tuple(gate.shape)})")
     T, D = int(x.shape[0]), int(x.shape[1])
+    if T > max_tokens:
+        raise EngramError(f"{name} takes at most {max_tokens} tokens (x has {T} rows)")
     E, I = int(gate.shape[0]), int(gate.shape[1])
     k = int(ids.shape[1])
     side_by_side = down.dim() == 2 and tuple(down.shape) == (D, E * I)
@@ -591,8 +614,8 @@ def moe_experts(
     sg = su = sd = None
     if shared is not None:
         sg, su, sd = shared
-        for name, t in (("shared gate", sg), ("shared up", su), ("shared down", sd)):
-            check(name, t, (torch.bfloat16,), 2)
+        for arg, t in (("shared gate", sg), ("shared up", su), ("shared down", sd)):
+            check(arg, t, (torch.bfloat16,), 2)
         Is = int(sg.shape[0])
         if tuple(sg.shape) != (Is, D) or tuple(su.shape) != (Is, D) or tuple(sd.shape) != (D, Is):
             raise EngramError(
@@ -610,7 +633,10 @@ def moe_experts(
     same_device(
         x.device, ids=ids, weights=weights, gate=gate, up=up, down=down, sg=sg, su=su, sd=sd, shared_scale=shared_scale
     )
-    need = experts_workspace_size(T, k, I, Is)
+    if max_tokens == MOE_MAX_TOKENS:
+        need = experts_workspace_size(T, k, I, Is)
+    else:
+        need = experts_grouped_workspace_size(T, k, D, I, Is)
     workspace = torch.empty(max(need // 2, 8), dtype=torch.bfloat16, device=x.device)
     out = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
     args = _MoeExperts(
@@ -640,8 +666,57 @@ def moe_experts(
         I if side_by_side else 0,
         E * I if side_by_side else 0,
     )
+    args._workspace = workspace  # type: ignore[attr-defined]  # alive until the call is enqueued
+    return args, out
+
+
+def moe_experts(
+    x: Any,
+    ids: Any,
+    weights: Any,
+    gate: Any,
+    up: Any,
+    down: Any,
+    *,
+    shared: tuple[Any, Any, Any] | None,
+    limit: float | None,
+    shared_scale: Any = None,
+) -> Any:
+    """A decode step's MoE output ``[T, D]`` bf16 (engram_moe_experts_bf16, ``T <=``
+    :data:`MOE_MAX_TOKENS`): ``x [T, D]``, ``ids`` int32 / ``weights`` float32 ``[T, k]``
+    (:func:`moe_route`), the routed stacks ``gate`` / ``up [E, I, D]``, ``down [E, D, I]``
+    (or ``[D, E * I]``: the experts side by side, Qwen4Exp's stack) and ``shared = (gate
+    [I_s, D], up, down [D, I_s])`` (or None), all bf16 and contiguous; ``limit`` the SwiGLU
+    clamp (None: none); ``shared_scale [T, 1]`` bf16: the shared expert's gate logits (its
+    output times their sigmoid; None: unscaled)."""
+    args, out = _moe_args("moe_experts", MOE_MAX_TOKENS, x, ids, weights, gate, up, down, shared, limit, shared_scale)
     with device_guard(x.device.index):
         _call("engram_moe_experts_bf16", ctypes.byref(args), stream_of(x.device))
+    return out
+
+
+def moe_experts_grouped(
+    x: Any,
+    ids: Any,
+    weights: Any,
+    gate: Any,
+    up: Any,
+    down: Any,
+    *,
+    shared: tuple[Any, Any, Any] | None,
+    limit: float | None,
+    shared_scale: Any = None,
+) -> Any:
+    """:func:`moe_experts` for up to :data:`MOE_GROUPED_MAX_TOKENS` tokens (a batch of decode
+    streams; engram_moe_experts_grouped_bf16): the same arguments and the same outputs bit for
+    bit (each token's as :func:`moe_experts` gives it), the (token, pick) pairs grouped by
+    expert on the device so that each picked expert's weights, and the shared expert's, are
+    read once a step; three launches, no host synchronization."""
+    args, out = _moe_args(
+        "moe_experts_grouped", MOE_GROUPED_MAX_TOKENS, x, ids, weights, gate, up, down, shared, limit, shared_scale
+    )
+    with device_guard(x.device.index):
+        _call("engram_moe_experts_grouped_bf16", ctypes.byref(args), stream_of(x.device))
     return out
 
 
@@ -796,6 +871,7 @@ __all__ = [
     "PROLOGUE_RMSNORM",
     "PROLOGUE_ROPE",
     "MAX_SEGMENTS",
+    "MOE_GROUPED_MAX_TOKENS",
     "NORM_NONE",
     "NORM_UNWEIGHTED",
     "NORM_WEIGHTED",
@@ -807,6 +883,7 @@ __all__ = [
     "gemv_segments",
     "hc_mix",
     "moe_experts",
+    "moe_experts_grouped",
     "moe_route",
     "norm_rope",
     "unavailable",

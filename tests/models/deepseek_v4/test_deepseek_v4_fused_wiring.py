@@ -378,6 +378,89 @@ def test_batch_steps_route_in_one_launch(monkeypatch: pytest.MonkeyPatch, mix: s
             assert (forms == {"fused"}) == inside, (name, forms)  # past it: the module's forms (a CPU's: loop)
 
 
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_batch_steps_take_the_grouped_experts_when_asked(monkeypatch: pytest.MonkeyPatch, mix: str) -> None:
+    """``ENGRAM_TRT_DSV4_MOE_GROUPED=1``: a batch step (chunks of 26 and 22 tokens, a 12-stream
+    decode step) runs each MoE layer's routed AND shared experts in ONE ``moe_experts_grouped``
+    call (emulated by its contract, moe_experts'), on ``moe_route``'s picks, without
+    ``native.quant.experts`` (whose availability it does not ask): the module path's logits.
+    Without the switch the library's product serves as before; past ``BATCH_ROUTE_MAX_TOKENS``
+    neither. A grouped emulation that drops the shared expert moves the logits: the comparison
+    sees the call's output."""
+    from engram_trt.models.deepseek_v4 import fused, moe
+    from engram_trt.models.step import PackedStep
+    from engram_trt.native import decode
+    from engram_trt.native import quant as native_quant
+
+    model = _wiring_model(mix, 7)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(8)
+    S = 12
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in [26] + [2] * (S - 1)]
+    lens = [len(p) for p in prompts]
+    big = fused.BATCH_ROUTE_MAX_TOKENS + 3
+    decode_step = PackedStep(torch.tensor([(5 * s) % 90 + 3 for s in range(S)]), [1] * S, lens, list(range(S)))
+    steps = [
+        ("chunk 26", PackedStep(torch.tensor(prompts[0]), [26], [0], [0])),
+        ("chunks 22", PackedStep(torch.tensor(sum(prompts[1:], [])), lens[1:], [0] * (S - 1), list(range(1, S)))),
+        ("decode 12", decode_step),
+        ("chunk past", PackedStep(torch.randint(3, cfg.vocab_size, (big,), generator=gen), [big], [0], [S])),
+    ]
+    states = {"plain": model.new_cache(S + 1, 128), "fused": model.new_cache(S + 1, 128)}
+    n = cfg.num_hidden_layers
+    for name, step in steps:
+        calls: dict[str, int] = {}
+        want = model.forward_step(step, states["plain"])
+        with monkeypatch.context() as mp:
+            _emulate(mp, calls)
+            mp.setenv(fused.MOE_GROUPED_ENV, "1")
+            mp.setattr(moe.GroupedSparseMoE, "kernels_unavailable", lambda self, x: "asked: not served here")
+            mp.setattr(decode, "moe_experts_grouped", _counted(calls, "grouped", _moe_experts))
+            mp.setattr(native_quant, "experts", _counted(calls, "quant", _routed_experts))
+            got = model.forward_step(step, states["fused"])
+        rel = float((got - want).abs().max() / want.abs().max())
+        assert rel <= 1e-5, f"{mix}, {name}: {rel:.3g}"
+        T = step.num_tokens
+        inside = T <= fused.BATCH_ROUTE_MAX_TOKENS
+        assert calls.get("grouped", 0) == (n if inside else 0) and "quant" not in calls, (name, calls)
+        assert calls.get("moe_route", 0) == (n if inside else 0), (name, calls)
+        forms = {layer.mlp.last_form for layer in model.model.layers}
+        assert (forms == {"fused"}) == inside, (name, forms)
+
+    # the switch off: the library's product and the shared module, as before
+    with monkeypatch.context() as mp:
+        calls = {}
+        _emulate(mp, calls)
+        mp.delenv(fused.MOE_GROUPED_ENV, raising=False)
+        mp.setattr(moe.GroupedSparseMoE, "kernels_unavailable", lambda self, x: None)
+        mp.setattr(decode, "moe_experts_grouped", _counted(calls, "grouped", _moe_experts))
+        mp.setattr(native_quant, "experts", _counted(calls, "quant", _routed_experts))
+        fresh = {k: model.new_cache(S + 1, 128) for k in ("plain", "fused")}
+        model.forward_step(steps[1][1], fresh["fused"])
+        assert calls.get("quant", 0) == n and "grouped" not in calls, calls
+
+    # the comparison can fail: a grouped call without the shared expert moves the logits
+    def no_shared(x, ids, weights, gate, up, down, *, shared, limit):
+        return _routed_sum(x, ids, weights, gate, up, down, limit, by_expert=True)
+
+    fresh = {k: model.new_cache(S + 1, 128) for k in ("plain", "fused")}
+    want = model.forward_step(steps[1][1], fresh["plain"])
+    with monkeypatch.context() as mp:
+        _emulate(mp, {})
+        mp.setenv(fused.MOE_GROUPED_ENV, "1")
+        mp.setattr(decode, "moe_experts_grouped", no_shared)
+        got = model.forward_step(steps[1][1], fresh["fused"])
+    assert float((got - want).abs().max() / want.abs().max()) > 1e-3, "dropping the shared expert went unseen"
+
+
+def _counted(calls: dict[str, int], name: str, fn: Any) -> Any:
+    def call(*a: Any, **kw: Any) -> Any:
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*a, **kw)
+
+    return call
+
+
 def _stored_emulation(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
     """native.quant_decode's segments emulated over the dequantized weights (its contract:
     the prologue's output, then each product), every stored weight taken, norm_rope emulated;

@@ -26,7 +26,10 @@ Per layer, with the step's tokens ``x [T, D]`` (bf16 on a GPU of compute capabil
   weights, two for the routed experts with the shared expert (combined in the reference's
   order); a step of more tokens than the GEMV takes, up to ``BATCH_ROUTE_MAX_TOKENS`` (a
   batch of decode streams), keeps the router's picks in one launch and runs the routed
-  experts through the library's grouped product.
+  experts through the library's grouped product, or, with ``ENGRAM_TRT_DSV4_MOE_GROUPED=1``
+  (opt-in: not yet run on a GPU) and plain bf16 experts, the routed and the shared experts
+  through ONE ``moe_experts_grouped`` call (three launches: each picked expert's weights
+  read once a step, the moe_experts contract's roundings).
 
 The products take the GEMV for up to ``native.decode.GEMV_EX_MAX_TOKENS`` rows of bf16
 weights; otherwise (a prefill chunk, a stored-format weight) each projection runs as its
@@ -54,6 +57,8 @@ BATCH_ROUTE_MAX_TOKENS = 64
 PROLOGUE_ENV = "ENGRAM_TRT_DSV4_PROLOGUE"  # "0": q_a_norm and the inverse RoPE as their own launches (A/B)
 # "1": the stored-format segments take those prologues too (opt-in: not faster where measured); PROLOGUE_ENV=0 wins
 QUANT_PROLOGUE_ENV = "ENGRAM_TRT_DSV4_QUANT_PROLOGUE"
+# "1": a batch step's (9..BATCH_ROUTE_MAX_TOKENS tokens) plain bf16 experts through moe_experts_grouped (opt-in)
+MOE_GROUPED_ENV = "ENGRAM_TRT_DSV4_MOE_GROUPED"
 
 
 def unavailable(x: Tensor) -> str | None:
@@ -424,6 +429,39 @@ def _route(router: Any, logits: Tensor, input_ids: Tensor, bias: Tensor | None) 
     )
 
 
+def _plain_experts(mlp: Any, x: Tensor, stacks: Any) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The shared expert's ``(gate, up, down)`` weights where the routed ``stacks`` and the
+    shared expert are what ``moe_experts`` / ``moe_experts_grouped`` take (plain contiguous
+    weights of x's dtype, bias-free ``nn.Linear`` shared projections, one SwiGLU limit, D, I
+    and I_s multiples of 8: the kernels read 16-byte vectors of them), else None."""
+    from engram_trt.quant.weight import QuantWeight
+
+    if any(isinstance(st, QuantWeight) for st in stacks):
+        return None
+    shared = mlp.shared_experts
+    projections: list[nn.Module] = [shared.gate_proj, shared.up_proj, shared.down_proj]
+    plain = (
+        all(isinstance(m, nn.Linear) and m.bias is None for m in projections)
+        and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections)))
+        and x.is_contiguous()
+        and x.shape[1] % 8 == 0
+        and shared.limit == mlp.experts[0].limit
+        and stacks[0].shape[1] % 8 == 0
+        and projections[0].weight.shape[0] % 8 == 0
+    )
+    return (projections[0].weight, projections[1].weight, projections[2].weight) if plain else None
+
+
+def _grouped_experts(mlp: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """:func:`_plain_experts` for a batch step where ``ENGRAM_TRT_DSV4_MOE_GROUPED=1`` and
+    ``moe_experts_grouped`` takes its tokens, else None."""
+    from engram_trt.native import decode
+
+    if os.environ.get(MOE_GROUPED_ENV, "0") != "1" or x.shape[0] > decode.MOE_GROUPED_MAX_TOKENS:
+        return None
+    return _plain_experts(mlp, x, mlp.stack_experts())
+
+
 def _moe_batch(mlp: Any, x: Tensor, input_ids: Tensor, bias: Tensor | None) -> Tensor | None:
     """A step of ``GEMV_EX_MAX_TOKENS < T <= BATCH_ROUTE_MAX_TOKENS`` tokens (a batch of
     decode streams; a short prefill chunk): the router's logits as the module takes them
@@ -431,12 +469,26 @@ def _moe_batch(mlp: Any, x: Tensor, input_ids: Tensor, bias: Tensor | None) -> T
     the module spends about ten element-wise launches (score, bias, top-k, gather,
     normalization), the routed experts through the library's product as the module's
     ``kernels`` form runs them, the shared expert as its module; None (the module's forms)
-    where that product does not serve."""
-    if mlp.kernels_unavailable(x) is not None:
+    where that product does not serve.
+
+    With ``ENGRAM_TRT_DSV4_MOE_GROUPED=1`` and plain bf16 experts (:func:`_plain_experts`,
+    as :func:`moe` takes them for a few tokens) the routed and the shared experts run in ONE
+    ``moe_experts_grouped`` call instead (each picked expert's weights read once a step).
+    Its bits are the ``moe_experts`` contract's (the reference's bf16 roundings: each
+    expert's output rounded, the picks added in ascending expert id, then the shared
+    expert's), not ``native.quant.experts``' (which the default path's bits follow)."""
+    grouped = _grouped_experts(mlp, x)
+    if grouped is None and mlp.kernels_unavailable(x) is not None:
         return None
+    ids, weights = _route(mlp.gate, F.linear(x, mlp.gate.weight), input_ids, bias)
+    if grouped is not None:
+        from engram_trt.native import decode
+
+        return decode.moe_experts_grouped(
+            x, ids, weights, *mlp.stack_experts(), shared=grouped, limit=mlp.experts[0].limit
+        )
     from engram_trt.native import quant as native_quant
 
-    ids, weights = _route(mlp.gate, F.linear(x, mlp.gate.weight), input_ids, bias)
     routed = native_quant.experts(x, ids, weights, *mlp.stack_experts(), limit=mlp.experts[0].limit)
     return routed + mlp.shared_experts(x)
 
@@ -448,7 +500,6 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     bf16 shared expert through ``moe_experts`` (two launches), stored-format experts through
     :func:`engram_trt.native.quant.experts` with the shared expert as its module."""
     from engram_trt.native import decode
-    from engram_trt.quant.weight import QuantWeight
 
     router = mlp.gate
     T = x.shape[0]
@@ -467,26 +518,17 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     if not decode.gemv_fits(x, router.weight):
         return None
     stacks = mlp.stack_experts()
-    quantized = any(isinstance(st, QuantWeight) for st in stacks)
     limit = mlp.experts[0].limit
     shared = mlp.shared_experts
     projections: list[nn.Module] = [shared.gate_proj, shared.up_proj, shared.down_proj]
-    plain = (
-        not quantized
-        and all(isinstance(m, nn.Linear) and m.bias is None for m in projections)
-        and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections)))
-        and x.is_contiguous()
-        and shared.limit == limit
-        and stacks[0].shape[1] % 8 == 0
-        and projections[0].weight.shape[0] % 8 == 0
-    )  # the experts kernel reads 16-byte vectors of I and I_s
-    if not plain and mlp.kernels_unavailable(x) is not None:
+    plain = _plain_experts(mlp, x, stacks)
+    if plain is None and mlp.kernels_unavailable(x) is not None:
         return None  # neither the fused experts nor the library's stored-format product: the module's forms
     logits = torch.empty((T, router.num_experts), dtype=x.dtype, device=x.device)
     decode.gemv_segments([(x, router.weight, logits)])
     ids, weights = _route(router, logits, input_ids, bias)
-    if plain:
-        return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(m.weight for m in projections), limit=limit)
+    if plain is not None:
+        return decode.moe_experts(x, ids, weights, *stacks, shared=plain, limit=limit)
     fused = _moe_stored(mlp, x, ids, weights, stacks, projections, limit)
     if fused is not None:
         return fused
@@ -503,6 +545,7 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
 __all__ = [
     "BATCH_ROUTE_MAX_TOKENS",
     "FUSED_ENV",
+    "MOE_GROUPED_ENV",
     "PROLOGUE_ENV",
     "QUANT_FUSED_ENV",
     "QUANT_PROLOGUE_ENV",
