@@ -627,6 +627,8 @@ def _moe_args(
         if shared is None:
             raise EngramError("shared_scale scales the shared expert: give shared as well")
         check_dtype("shared_scale", shared_scale, (torch.bfloat16,))
+        if not shared_scale.is_cuda:
+            raise EngramError(f"shared_scale must be a CUDA tensor (got device {shared_scale.device})")
         if shared_scale.dim() != 2 or tuple(shared_scale.shape) != (T, 1):
             raise EngramError(f"shared_scale must be [{T}, 1] (got {tuple(shared_scale.shape)})")
         scale_stride = int(shared_scale.stride(0))

@@ -495,6 +495,24 @@ def _fp8(module: Any, gen: torch.Generator) -> Any:
     return module
 
 
+def test_plain_experts_needs_16_byte_aligned_activations() -> None:
+    """The experts' kernels read 16-byte vectors: an x one element off a 16-byte boundary
+    (a contiguous view into a larger buffer) is not taken (the module's forms run), the
+    same values aligned are."""
+    from engram_trt.models.deepseek_v4 import fused
+
+    model = _wiring_model(next(iter(MIXES)), 3)
+    mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "stack_experts"))
+    stacks = mlp.stack_experts()
+    D = model.config.hidden_size
+    buf = torch.randn(4 * D + 1, dtype=stacks[0].dtype)
+    shifted = buf[1:].view(4, D)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+    assert fused._plain_experts(mlp, shifted, stacks) is None
+    got = fused._plain_experts(mlp, shifted.clone(), stacks)
+    assert got is not None and got[0] is mlp.shared_experts.gate_proj.weight
+
+
 def test_stored_prologues_take_the_norm_and_rope_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stored-format branches of the fused glue with ENGRAM_TRT_DSV4_QUANT_PROLOGUE (the
     segments emulated on the CPU): q_a_norm before an FP8 q_b and a bf16 indexer q_b, and the

@@ -433,7 +433,8 @@ def _plain_experts(mlp: Any, x: Tensor, stacks: Any) -> tuple[Tensor, Tensor, Te
     """The shared expert's ``(gate, up, down)`` weights where the routed ``stacks`` and the
     shared expert are what ``moe_experts`` / ``moe_experts_grouped`` take (plain contiguous
     weights of x's dtype, bias-free ``nn.Linear`` shared projections, one SwiGLU limit, D, I
-    and I_s multiples of 8: the kernels read 16-byte vectors of them), else None."""
+    and I_s multiples of 8, x and the weights 16-byte aligned: the kernels read 16-byte
+    vectors of them), else None."""
     from engram_trt.quant.weight import QuantWeight
 
     if any(isinstance(st, QuantWeight) for st in stacks):
@@ -444,6 +445,7 @@ def _plain_experts(mlp: Any, x: Tensor, stacks: Any) -> tuple[Tensor, Tensor, Te
         all(isinstance(m, nn.Linear) and m.bias is None for m in projections)
         and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections)))
         and x.is_contiguous()
+        and all(t.data_ptr() % 16 == 0 for t in (x, *stacks, *(m.weight for m in projections)))
         and x.shape[1] % 8 == 0
         and shared.limit == mlp.experts[0].limit
         and stacks[0].shape[1] % 8 == 0
