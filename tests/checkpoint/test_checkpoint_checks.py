@@ -154,6 +154,56 @@ def _refused_everywhere(capsys: pytest.CaptureFixture, ck: Path, tmp: Path, tens
     assert tree_digest(ck) == before
 
 
+class _Stored:
+    """A checkpoint's names and stored dtypes, as unread_scale asks them."""
+
+    def __init__(self, dtypes: dict[str, str]) -> None:
+        self.dtypes = dtypes
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.dtypes
+
+    def st_dtype(self, name: str) -> str:
+        return self.dtypes[name]
+
+
+@pytest.mark.parametrize(
+    "stored, scale, unread",
+    [
+        # transformers' FP8 save: a scale beside a weight it left in 16 bits is never read
+        ({"m.q.weight": "BF16", "m.q.weight_scale_inv": "F32"}, "m.q.weight_scale_inv", True),
+        ({"m.q.weight": "F8_E4M3", "m.q.weight_scale_inv": "F32"}, "m.q.weight_scale_inv", False),
+        # the experts' merged scales: per-expert weights (expert 0 for the layer) or merged ones
+        (
+            {"l.experts.0.down_proj.weight": "BF16", "l.experts.down_proj_scale_inv": "F32"},
+            "l.experts.down_proj_scale_inv",
+            True,
+        ),
+        (
+            {"l.experts.0.down_proj.weight": "F8_E4M3", "l.experts.down_proj_scale_inv": "F32"},
+            "l.experts.down_proj_scale_inv",
+            False,
+        ),
+        (
+            {"l.experts.0.gate_proj.weight": "F8_E4M3", "l.experts.0.up_proj.weight": "F8_E4M3"},
+            "l.experts.gate_up_proj_scale_inv",
+            False,
+        ),
+        ({"l.experts.gate_up_proj": "F32"}, "l.experts.gate_up_proj_scale_inv", True),
+        # no weight it could scale: kept (a reader would name it), and other names are not scales
+        ({}, "l.experts.down_proj_scale_inv", False),
+        ({"l.experts.0.down_proj.weight": "BF16"}, "l.experts.0.down_proj.weight", False),
+    ],
+)
+def test_a_scale_beside_a_float_weight_is_not_scanned(stored: dict[str, str], scale: str, unread: bool) -> None:
+    """The non-finite scan leaves out the scales no loader reads: transformers writes them
+    uninitialized beside the weights it kept in floats, the experts' merged
+    ``down_proj_scale_inv`` among them (garbage there is not the model's problem)."""
+    from engram_trt.checkpoint.nonfinite import unread_scale
+
+    assert unread_scale(_Stored(stored), scale) is unread
+
+
 def test_nan_in_a_deepseek_v4_weight(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ck = _copy(DATA / "deepseek_v4_tiny", tmp_path / "ck")
 

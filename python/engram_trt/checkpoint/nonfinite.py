@@ -217,15 +217,33 @@ _SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
 _QUANT_WEIGHT_DTYPES = ("F8_E4M3", "I8", "U8")
 
 
+# transformers' merged scale of a MoE layer's experts per projection kind -> the projections it scales
+_MERGED_EXPERT_SCALES = {
+    "gate_up_proj_scale_inv": ("gate_proj", "up_proj", "gate_up_proj"),
+    "down_proj_scale_inv": ("down_proj",),
+}
+
+
 def unread_scale(ckpt: Any, name: str) -> bool:
     """A scale tensor beside a weight the checkpoint stores in floats: no loader reads it
     (transformers' FP8 save writes one, never initialized, beside every weight it left in
-    16 bits), so garbage in it is no problem of the model's."""
+    16 bits, the experts' merged ``...experts.down_proj_scale_inv`` included), so garbage
+    in it is no problem of the model's."""
     for suffix in _SCALE_SUFFIXES:
         if name.endswith(suffix):
             weight = name[: -len(suffix)] + ".weight"
             return weight in ckpt and ckpt.st_dtype(weight) not in _QUANT_WEIGHT_DTYPES
-    return False
+    prefix, sep, leaf = name.rpartition(".experts.")
+    if not sep or leaf not in _MERGED_EXPERT_SCALES:
+        return False
+    # the experts' weights per expert (expert 0's stand for the layer's) or merged
+    scaled = [
+        w
+        for proj in _MERGED_EXPERT_SCALES[leaf]
+        for w in (f"{prefix}.experts.0.{proj}.weight", f"{prefix}.experts.{proj}")
+        if w in ckpt
+    ]
+    return bool(scaled) and all(ckpt.st_dtype(w) not in _QUANT_WEIGHT_DTYPES for w in scaled)
 
 
 def checkpoint_regions(ckpt: Any) -> list[Region]:
