@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 # engram_trt from this checkout and this folder's modules:
 sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
 
-import statistics  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -76,22 +75,12 @@ def _check(opts: MoeGroupedOptions) -> None:
 def _replay_us(body: Any, calls: int, iters: int, device: Any) -> float:
     """Median microseconds per call of ``body(i)`` for i in 0..calls-1, replayed from one CUDA
     graph and timed with CUDA events."""
-    import torch
-
-    from engram_trt.bench.common import capture_graph
+    from engram_trt.bench.common import capture_graph, event_seconds
 
     graph, _ = capture_graph(lambda: [body(i) for i in range(calls)], device)
-    for _ in range(3):
+    for _ in range(2):  # warm-up replays (event_seconds replays once more before timing)
         graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return event_seconds(graph.replay, iters) * 1e6 / calls
 
 
 def run(opts: MoeGroupedOptions) -> int:

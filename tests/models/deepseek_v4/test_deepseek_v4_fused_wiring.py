@@ -334,6 +334,28 @@ def _routed_experts(x, ids, weights, gate, up, down, *, limit, plan=None):
     return _routed_sum(x, ids, weights, gate, up, down, limit, by_expert=False)
 
 
+def _batch_steps(cfg: Any, seed: int, id_step: int, past: int) -> tuple[int, list[tuple[str, Any]]]:
+    """``(S, steps)``: S = 12 streams' batch steps of ``cfg``'s model (a 26-token chunk, the
+    other 11 streams' 2-token chunks together, a 12-stream decode step of ids ``(id_step * s)
+    % 90 + 3``, one chunk ``past`` tokens beyond ``BATCH_ROUTE_MAX_TOKENS``), random prompts of
+    ``seed``."""
+    from engram_trt.models.deepseek_v4 import fused
+    from engram_trt.models.step import PackedStep
+
+    gen = torch.Generator().manual_seed(seed)
+    S = 12
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in [26] + [2] * (S - 1)]
+    lens = [len(p) for p in prompts]
+    big = fused.BATCH_ROUTE_MAX_TOKENS + past  # one chunk past the batch path
+    decode_ids = torch.tensor([(id_step * s) % 90 + 3 for s in range(S)])
+    return S, [
+        ("chunk 26", PackedStep(torch.tensor(prompts[0]), [26], [0], [0])),
+        ("chunks 22", PackedStep(torch.tensor(sum(prompts[1:], [])), lens[1:], [0] * (S - 1), list(range(1, S)))),
+        ("decode 12", PackedStep(decode_ids, [1] * S, lens, list(range(S)))),
+        ("chunk past", PackedStep(torch.randint(3, cfg.vocab_size, (big,), generator=gen), [big], [0], [S])),
+    ]
+
+
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_batch_steps_route_in_one_launch(monkeypatch: pytest.MonkeyPatch, mix: str) -> None:
     """Steps of more tokens than the GEMV takes (a 26-token chunk; a 12-stream decode step):
@@ -341,22 +363,11 @@ def test_batch_steps_route_in_one_launch(monkeypatch: pytest.MonkeyPatch, mix: s
     through the library's product, the shared expert as its module: the module path's
     logits; past ``BATCH_ROUTE_MAX_TOKENS`` tokens the module's forms again."""
     from engram_trt.models.deepseek_v4 import fused, moe
-    from engram_trt.models.step import PackedStep
     from engram_trt.native import quant as native_quant
 
     model = _wiring_model(mix, 5)
     cfg = model.config
-    gen = torch.Generator().manual_seed(6)
-    S = 12
-    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in [26] + [2] * (S - 1)]
-    lens = [len(p) for p in prompts]
-    big = fused.BATCH_ROUTE_MAX_TOKENS + 5  # one chunk past the batch path
-    steps = [
-        ("chunk 26", PackedStep(torch.tensor(prompts[0]), [26], [0], [0])),
-        ("chunks", PackedStep(torch.tensor(sum(prompts[1:], [])), lens[1:], [0] * (S - 1), list(range(1, S)))),
-        ("decode 12", PackedStep(torch.tensor([(7 * s) % 90 + 3 for s in range(S)]), [1] * S, lens, list(range(S)))),
-        ("chunk past", PackedStep(torch.randint(3, cfg.vocab_size, (big,), generator=gen), [big], [0], [S])),
-    ]
+    S, steps = _batch_steps(cfg, seed=6, id_step=7, past=5)
     states = {"plain": model.new_cache(S + 1, 128), "fused": model.new_cache(S + 1, 128)}
     calls: dict[str, int] = {}
     n = cfg.num_hidden_layers
@@ -388,24 +399,12 @@ def test_batch_steps_take_the_grouped_experts_when_asked(monkeypatch: pytest.Mon
     neither. A grouped emulation that drops the shared expert moves the logits: the comparison
     sees the call's output."""
     from engram_trt.models.deepseek_v4 import fused, moe
-    from engram_trt.models.step import PackedStep
     from engram_trt.native import decode
     from engram_trt.native import quant as native_quant
 
     model = _wiring_model(mix, 7)
     cfg = model.config
-    gen = torch.Generator().manual_seed(8)
-    S = 12
-    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in [26] + [2] * (S - 1)]
-    lens = [len(p) for p in prompts]
-    big = fused.BATCH_ROUTE_MAX_TOKENS + 3
-    decode_step = PackedStep(torch.tensor([(5 * s) % 90 + 3 for s in range(S)]), [1] * S, lens, list(range(S)))
-    steps = [
-        ("chunk 26", PackedStep(torch.tensor(prompts[0]), [26], [0], [0])),
-        ("chunks 22", PackedStep(torch.tensor(sum(prompts[1:], [])), lens[1:], [0] * (S - 1), list(range(1, S)))),
-        ("decode 12", decode_step),
-        ("chunk past", PackedStep(torch.randint(3, cfg.vocab_size, (big,), generator=gen), [big], [0], [S])),
-    ]
+    S, steps = _batch_steps(cfg, seed=8, id_step=5, past=3)
     states = {"plain": model.new_cache(S + 1, 128), "fused": model.new_cache(S + 1, 128)}
     n = cfg.num_hidden_layers
     for name, step in steps:
